@@ -1,0 +1,61 @@
+"""Rotary position embeddings in the rotate-half layout (the Hugging Face layout).
+
+We use the rotate-half layout rather than Meta's interleaved complex layout so
+that Hugging Face checkpoints load without permuting q/k weights, and so that no
+complex tensors reach DTensor or torch.compile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency scaling (`rope_type = "llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled).float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> torch.Tensor:
+    """Returns a [max_seq_len, 2, head_dim] cache of (cos, sin), each already
+    duplicated over both halves, optionally multiplied by an attention scale
+    (YaRN's mscale)."""
+    t = torch.arange(max_seq_len, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.to(torch.float32))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos() * scale, emb.sin() * scale], dim=1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos_sin: [seq, 2, head_dim]."""
+    cos = cos_sin[:, 0].unsqueeze(1).to(x.dtype)
+    sin = cos_sin[:, 1].unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,270 @@
+"""The root config: small per-component sections, TOML, then `--section.key value`.
+
+Precedence: dataclass defaults < TOML file < command line. Every section is a
+dataclass owned by the component that reads it; this module only composes them,
+loads them and checks them. Any bad input raises `ConfigError`, whose message is
+one line naming the key; `python -m trainer.train` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig
+from parallelisms.compile import CompileConfig
+from parallelisms.parallel_dims import ParallelismConfig
+from trainer.checkpoint import CheckpointConfig
+from trainer.configurable import ConfigError, field_docs, opt, set_field
+from trainer.loss import LossConfig
+from trainer.metrics import MetricsConfig
+from trainer.optim import LRSchedulerConfig, OptimizerConfig
+from trainer.profiling import ProfilingConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "train_configs"
+DEFAULT_TOKENIZER = str(REPO_ROOT / "assets" / "tokenizer" / "tokenizer.model")
+
+
+@dataclass
+class JobSection:
+    """[job]"""
+
+    config_file: str | None = opt(None, "TOML file; a bare name is looked up in train_configs/.")
+    dump_folder: str = opt("./outputs", "Where checkpoints, metrics.jsonl, TensorBoard events and traces go.")
+    description: str = opt("", "Free text, printed at start.")
+    dry_run: bool = opt(False, "Build the model on the meta device, print config, params and FLOPs/token, exit.")
+
+
+@dataclass
+class ModelSection:
+    """[model]"""
+
+    name: str = opt("llama3", "Model spec name (see models/__init__.py).")
+    flavor: str = opt("debug", "Flavor of the model spec, e.g. debug, 8B, 70B.")
+    tokenizer_path: str = opt(DEFAULT_TOKENIZER, "tiktoken BPE file (base64 token + rank per line), e.g. "
+                              "Llama 3's tokenizer.model.")
+
+
+@dataclass
+class TrainingSection:
+    """[training]"""
+
+    steps: int = opt(300, "Optimizer steps to train.", min=1)
+    seq_len: int = opt(256, "Tokens per sample.", min=2)
+    local_batch_size: int = opt(8, "Samples per microbatch on each data-parallel rank.", min=1)
+    global_batch_size: int = opt(-1, "Samples per optimizer step over all data-parallel ranks; a multiple of "
+                                 "local_batch_size x dp gives gradient accumulation. -1 = local x dp.", min=-1)
+    max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping.", min=0.0)
+    seed: int = opt(42, "Seed for init and data order.", min=0)
+    deterministic: bool = opt(False, "torch.use_deterministic_algorithms and deterministic cuDNN/cuBLAS.")
+    gc_freq: int = opt(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", min=1)
+    dataset: str = opt("builtin", "builtin (text from the Python stdlib's docstrings), synthetic (random "
+                       "tokens), or files (.txt/.jsonl under dataset_path).",
+                       choices=("builtin", "synthetic", "files"))
+    dataset_path: str | None = opt(None, "File or folder of .txt / .jsonl (with a \"text\" field) for dataset=files.")
+    mixed_precision_param: str = opt("bfloat16", "Compute dtype of params under FSDP; falls back to float32 on CPU "
+                                     "unless mixed_precision_on_cpu.", choices=("bfloat16", "float32"))
+    mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype under FSDP.", choices=("float32", "bfloat16"))
+    mixed_precision_on_cpu: bool = opt(False, "Also use mixed_precision_param on CPU (slow, for tests).")
+    device: str = opt("auto", "auto (CUDA if available, else CPU), cuda or cpu.", choices=("auto", "cuda", "cpu"))
+
+
+@dataclass
+class CommSection:
+    """[comm]"""
+
+    init_timeout_seconds: int = opt(300, "Timeout for process-group init and the first collectives.", min=1)
+    train_timeout_seconds: int = opt(120, "Timeout for collectives after the first step.", min=1)
+
+
+SECTIONS: dict[str, type] = {
+    "job": JobSection,
+    "model": ModelSection,
+    "training": TrainingSection,
+    "optimizer": OptimizerConfig,
+    "lr_scheduler": LRSchedulerConfig,
+    "loss": LossConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "profiling": ProfilingConfig,
+    "compile": CompileConfig,
+    "activation_checkpoint": ActivationCheckpointConfig,
+    "parallelism": ParallelismConfig,
+    "comm": CommSection,
+}
+
+
+@dataclass
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    comm: CommSection = field(default_factory=CommSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def validate(self) -> None:
+        """Cross-field checks; each section may define `validate(root)`."""
+        from models import MODEL_SPECS
+
+        if self.model.name not in MODEL_SPECS:
+            raise ConfigError(_unknown("model.name", self.model.name, list(MODEL_SPECS)))
+        flavors = MODEL_SPECS[self.model.name].flavors
+        if self.model.flavor not in flavors:
+            raise ConfigError(_unknown("model.flavor", self.model.flavor, list(flavors), f" for {self.model.name}"))
+        if self.training.dataset == "files" and not self.training.dataset_path:
+            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
+                              "pass --training.dataset_path <file or folder>")
+        max_seq = getattr(flavors[self.model.flavor], "max_seq_len", None)
+        if max_seq is not None and self.training.seq_len > max_seq:
+            raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
+                              f"max_seq_len {max_seq}; lower training.seq_len")
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if hasattr(section, "validate"):
+                section.validate(self)
+
+
+def _unknown(key: str, value: str, valid: list[str], where: str = "") -> str:
+    close = difflib.get_close_matches(value, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}"
+
+
+def resolve_config_path(name: str) -> Path:
+    path = Path(name)
+    if path.is_file():
+        return path
+    candidate = CONFIG_DIR / path.name
+    if candidate.is_file():
+        return candidate
+    if not candidate.suffix:
+        candidate = candidate.with_suffix(".toml")
+        if candidate.is_file():
+            return candidate
+    available = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
+    close = difflib.get_close_matches(path.name, available, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ConfigError(f"config error: job.config_file: {name} not found here or in train_configs/{hint}; "
+                      f"available: {', '.join(available)}")
+
+
+def _apply_table(cfg: JobConfig, table: dict[str, Any], source: str) -> None:
+    for section, values in table.items():
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(section, list(SECTIONS), n=1)
+            hint = f" (did you mean [{close[0]}]?)" if close else ""
+            raise ConfigError(f"config error: unknown section [{section}] in {source}{hint}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config error: [{section}] in {source} must be a table of key = value")
+        for key, value in values.items():
+            set_field(getattr(cfg, section), section, key, value, from_cli=False)
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
+    """`--section.key value`, `--section.key=value`, or a bare boolean flag."""
+    out = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"config error: unexpected argument {arg!r}; overrides look like --section.key value")
+        body = arg[2:]
+        value: Any
+        if "=" in body:
+            body, value = body.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 1
+        else:
+            value = "true"
+        if body in ("config", "config-file", "config_file"):
+            body = "job.config_file"
+        elif body in ("dry-run", "dry_run"):
+            body = "job.dry_run"
+        if "." not in body:
+            raise ConfigError(f"config error: --{body}: overrides look like --section.key value; "
+                              f"sections: {', '.join(SECTIONS)}")
+        section, key = body.split(".", 1)
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(section, list(SECTIONS), n=1)
+            hint = f" (did you mean --{close[0]}.{key}?)" if close else ""
+            raise ConfigError(f"config error: unknown section in --{body}{hint}")
+        out.append((section, key.replace("-", "_"), value))
+        i += 1
+    return out
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Builds the root config from defaults, the TOML file and the CLI, then validates it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = _parse_cli(argv)
+    cfg = JobConfig()
+    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), None)
+    if config_file:
+        path = resolve_config_path(config_file)
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config error: {path} is not valid TOML: {e}") from None
+        _apply_table(cfg, table, str(path))
+        cfg.job.config_file = str(path)
+    for section, key, value in overrides:
+        if (section, key) == ("job", "config_file"):
+            continue
+        set_field(getattr(cfg, section), section, key, value, from_cli=True)
+    cfg.validate()
+    return cfg
+
+
+def help_text() -> str:
+    lines = ["usage: ./run_train.sh [--config NAME.toml] [--dry-run] [--section.key value ...]", "",
+             "Precedence: defaults < TOML file < command line. Booleans accept true/false; lists are comma-separated.",
+             ""]
+    for name, cls in SECTIONS.items():
+        lines.append((cls.__doc__ or f"[{name}]").strip())
+        for key, tname, default, doc in field_docs(cls):
+            lines.append(f"  --{name}.{key} ({tname}, default {default!r})")
+            lines.append(f"      {doc}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_config(cfg: JobConfig) -> str:
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        out.extend(f"  {k} = {v!r}" for k, v in values.items())
+    return "\n".join(out)
+
+
+def main_guard(argv: list[str] | None = None) -> JobConfig:
+    """For entry points: --help prints the field docs; a ConfigError prints one line and exits 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        sys.exit(0)
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(e), file=sys.stderr)
+        sys.exit(2)
