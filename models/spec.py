@@ -32,6 +32,9 @@ class ModelSpec:
     state_dict_adapter: Any = None
     # Called after each optimizer step (e.g. MoE load-balance bias update), or None.
     post_optimizer_step_fn: Callable[..., None] | None = None
+    # (model, args, seq_len) -> {"params": ..., "flops_per_token": ..., optional "activated_params"}.
+    # `model` may live on the meta device. Used by --dry-run, metrics (MFU) and the memory estimator.
+    summary_fn: Callable[..., dict[str, float]] | None = None
 
     def args_for(self, flavor: str):
         if flavor not in self.flavors:
