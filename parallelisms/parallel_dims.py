@@ -30,3 +30,151 @@ class ParallelismConfig:
     pipeline_parallel_stages_per_rank: int = opt(1, "Model stages per PP rank (>1 for interleaved and V schedules).", min=1)
     module_fqns_per_model_part: list[list[str]] | None = opt(
         None, "Override of the PP split: module names per stage, e.g. [[\"tok_embeddings\", \"layers.0\"], ...].")
+
+
+# Mesh dimension order, outermost first. PP is outermost so that stages talk
+# across nodes rarely; TP is innermost so that it stays inside a node.
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class ParallelDims:
+    """Resolved degrees plus the world mesh built from them.
+
+    Only dimensions with degree > 1 become mesh dimensions, so a degree of 1
+    creates no process group. Flattened views:
+      - "dp":      dp_replicate x dp_shard, over which data is sharded;
+      - "fsdp":    dp_shard x cp, over which dense params are sharded (HSDP adds dp_replicate);
+      - "dp_cp":   dp_replicate x dp_shard x cp, over which gradients/losses are reduced.
+    """
+
+    def __init__(self, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
+                 ep: int = 1, world_size: int = 1):
+        from trainer.configurable import ConfigError
+
+        others = dp_replicate * cp * tp * pp
+        if dp_shard == -1:
+            if world_size % others != 0:
+                raise ConfigError(
+                    f"config error: parallelism: dp_replicate({dp_replicate}) x cp({cp}) x tp({tp}) x pp({pp}) = "
+                    f"{others} does not divide the world size {world_size}; choose degrees whose product divides it")
+            dp_shard = world_size // others
+        product = dp_replicate * dp_shard * cp * tp * pp
+        if product != world_size:
+            raise ConfigError(
+                f"config error: parallelism: dp_replicate({dp_replicate}) x dp_shard({dp_shard}) x cp({cp}) x "
+                f"tp({tp}) x pp({pp}) = {product}, but the world size is {world_size}; make the product "
+                f"{world_size} (e.g. set parallelism.data_parallel_shard_degree = -1)")
+        if cp != 1:
+            raise ConfigError("config error: parallelism.context_parallel_degree: context parallelism is not "
+                              "implemented yet; set it to 1")
+        if ep > 1 and (dp_shard * tp) % ep != 0:
+            raise ConfigError(
+                f"config error: parallelism.expert_parallel_degree: {ep} must divide dp_shard({dp_shard}) x "
+                f"tp({tp}) = {dp_shard * tp}, the ranks experts borrow; pick a divisor of {dp_shard * tp}")
+        self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep = dp_replicate, dp_shard, cp, tp, pp, ep
+        self.world_size = world_size
+        self.world_mesh = None
+
+    @classmethod
+    def from_config(cls, cfg: ParallelismConfig, world_size: int) -> "ParallelDims":
+        return cls(dp_replicate=cfg.data_parallel_replicate_degree, dp_shard=cfg.data_parallel_shard_degree,
+                   cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree, pp=cfg.pipeline_parallel_degree,
+                   ep=cfg.expert_parallel_degree, world_size=world_size)
+
+    def validate_model(self, model_args, seq_len: int, sequence_parallel: bool) -> None:
+        """Layout checks that need the model's shape."""
+        from trainer.configurable import ConfigError
+
+        n_heads = getattr(model_args, "n_heads", None)
+        n_kv = getattr(model_args, "n_kv_heads", None) or n_heads
+        if self.tp > 1 and n_heads is not None:
+            for name, count in (("heads", n_heads), ("KV heads", n_kv)):
+                if count % self.tp != 0:
+                    raise ConfigError(
+                        f"config error: parallelism.tensor_parallel_degree: {self.tp} does not divide the model's "
+                        f"{count} {name}; use a TP degree that divides {count}")
+            if sequence_parallel and seq_len % self.tp != 0:
+                raise ConfigError(
+                    f"config error: training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
+                    f"{self.tp} with sequence parallel on; use a multiple of {self.tp} or "
+                    "--parallelism.enable_sequence_parallel false")
+        n_layers = getattr(model_args, "n_layers", None)
+        if self.pp > 1 and n_layers is not None and self.pp > n_layers:
+            raise ConfigError(
+                f"config error: parallelism.pipeline_parallel_degree: {self.pp} stages exceed the model's "
+                f"{n_layers} layers; use at most {n_layers}")
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.cp * self.tp * self.pp
+
+    def build_mesh(self, device_type: str):
+        """Builds the world mesh (None on one rank) and its flattened views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                   "tp": self.tp}
+        names = tuple(n for n in MESH_ORDER if degrees[n] > 1)
+        if not names:
+            return None
+        mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
+        for flat, parts in (("dp", ("dp_replicate", "dp_shard")), ("fsdp", ("dp_shard", "cp")),
+                            ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                mesh[present]._flatten(flat)
+        self.world_mesh = mesh
+        return mesh
+
+    def mesh(self, name: str):
+        """A named (possibly flattened) sub-mesh, or None when that dimension is 1."""
+        if self.world_mesh is None:
+            return None
+        aliases = {"dp": ("dp_replicate", "dp_shard"), "fsdp": ("dp_shard", "cp"),
+                   "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        names = self.world_mesh.mesh_dim_names
+        if name in names:
+            return self.world_mesh[name]
+        present = tuple(p for p in aliases.get(name, ()) if p in names)
+        if len(present) == 1:
+            return self.world_mesh[present[0]]
+        if len(present) > 1:
+            return self.world_mesh[name]
+        return None
+
+    def fsdp_mesh(self):
+        """The mesh dense params are sharded over: 1-D FSDP, 2-D (dp_replicate, shard) for HSDP, or None."""
+        shard = self.mesh("fsdp")
+        replicate = self.mesh("dp_replicate")
+        if shard is not None and replicate is not None:
+            shard_name = "fsdp" if self.dp_shard > 1 and self.cp > 1 else ("dp_shard" if self.dp_shard > 1 else "cp")
+            return self.world_mesh["dp_replicate", shard_name]
+        return shard if shard is not None else replicate
+
+    def coordinate(self, name: str) -> int:
+        m = self.mesh(name)
+        return 0 if m is None else m.get_local_rank()

@@ -1,0 +1,38 @@
+"""Gradient-norm clipping across every mesh dimension.
+
+Gradients may be DTensors on different meshes (dense params on dp x tp, experts on
+an EP mesh) or plain tensors on one pipeline stage only. We take the norm of each
+group on its own mesh (DTensor reduces over that mesh), sum the squares, and
+all-reduce over the PP group so every stage clips by the same global norm.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None, foreach: bool | None = None) -> torch.Tensor:
+    """Clips in place and returns the total (pre-clip) L2 norm, identical on every rank."""
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict = defaultdict(list)
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups[key].append(p.grad)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float().to(device) ** 2
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total

@@ -1,0 +1,311 @@
+"""The training loop: build -> loop -> close. Run with `python -m trainer.train` (under torchrun).
+
+How a step flows: pull every microbatch of the step, count the valid tokens over
+the whole global batch, run forward/backward per microbatch (or the pipeline
+schedule) with each loss divided by that global count, clip the gradient norm
+across every mesh dimension, step the optimizer and LR schedule, run the model's
+post-step hook (MoE bias update), then log, checkpoint and profile.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from models import get_model_spec
+from parallelisms.grad_clip import clip_grad_norm_
+from parallelisms.parallel_dims import ParallelDims
+from trainer import distributed as tdist
+from trainer.checkpoint import CheckpointError, Checkpointer
+from trainer.config import JobConfig, format_config, main_guard
+from trainer.configurable import ConfigError
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from trainer.metrics import MetricsLogger
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.preemption import PreemptionHandler
+from trainer.profiling import MemorySnapshotter, maybe_profile
+
+logger = logging.getLogger("trainer")
+
+
+def setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+
+
+def build_model_on_meta(cfg: JobConfig):
+    spec = get_model_spec(cfg.model.name)
+    args = spec.flavors[cfg.model.flavor]
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return spec, args, model
+
+
+def dry_run(cfg: JobConfig) -> dict[str, float]:
+    """Builds the model on the meta device (no allocation) and prints what a user checks before renting GPUs."""
+    spec, args, model = build_model_on_meta(cfg)
+    summary = spec.summary_fn(model, args, cfg.training.seq_len)
+    print(format_config(cfg))
+    print(f"model: {cfg.model.name} {cfg.model.flavor}")
+    print(f"parameters: {int(summary['params']):,}")
+    if "activated_params" in summary:
+        print(f"activated parameters: {int(summary['activated_params']):,}")
+    print(f"FLOPs/token (seq_len {cfg.training.seq_len}): {summary['flops_per_token']:,.0f}")
+    return summary
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t = cfg.training
+        self.device = tdist.pick_device(t.device)
+        self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dims = ParallelDims.from_config(cfg.parallelism, tdist.world_size())
+        self.spec = get_model_spec(cfg.model.name)
+        self.model_args = self.spec.flavors[cfg.model.flavor]
+        self.dims.validate_model(self.model_args, t.seq_len,
+                                 cfg.parallelism.enable_sequence_parallel and self.dims.tp_enabled)
+        self.dims.build_mesh(self.device.type)
+        tdist.set_seed(t.seed, t.deterministic)
+        self.param_dtype = tdist.resolve_dtype(t.mixed_precision_param, self.device, t.mixed_precision_on_cpu)
+        self.reduce_dtype = tdist.resolve_dtype(t.mixed_precision_reduce, self.device, t.mixed_precision_on_cpu)
+
+        # ---- batch layout ----
+        self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
+        per_step_local = t.local_batch_size * self.dp_degree
+        global_bs = t.global_batch_size if t.global_batch_size > 0 else per_step_local
+        if global_bs % per_step_local != 0:
+            raise ConfigError(
+                f"config error: training.global_batch_size: {global_bs} is not a multiple of local_batch_size "
+                f"({t.local_batch_size}) x data-parallel degree ({self.dp_degree}) = {per_step_local}; use a multiple")
+        self.grad_accum_steps = global_bs // per_step_local
+        self.global_batch_size = global_bs
+
+        # ---- data ----
+        from trainer.data import build_dataloader
+        from trainer.data.tokenizer import build_tokenizer
+
+        self.tokenizer = None if t.dataset == "synthetic" else build_tokenizer(cfg.model.tokenizer_path)
+        vocab = getattr(self.model_args, "vocab_size")
+        if self.tokenizer is not None and self.tokenizer.vocab_size > vocab:
+            raise ConfigError(
+                f"config error: model.tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
+                f"{cfg.model.name} {cfg.model.flavor} has vocab_size {vocab}; use a matching tokenizer or flavor")
+        self.dataloader = build_dataloader(
+            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
+            vocab_size=vocab)
+
+        # ---- model: meta -> [PP split] -> TP -> AC -> compile -> FSDP -> materialise ----
+        with torch.device("meta"):
+            model = self.spec.model_cls(self.model_args)
+        summary = self.spec.summary_fn(model, self.model_args, t.seq_len)
+        self.num_params, self.flops_per_token = summary["params"], summary["flops_per_token"]
+        self.pp_schedule = None
+        self.has_first_stage = self.has_last_stage = True
+        if self.dims.pp_enabled:
+            from parallelisms.pipeline import build_pipeline
+
+            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = build_pipeline(
+                model, self.spec, self.dims, cfg, self.loss_fn, self.device, self.parallelize_part)
+        else:
+            self.model_parts = [self.parallelize_part(model)]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+
+        # ---- optimizer, schedule, checkpoint, metrics ----
+        self.optimizers = [build_optimizer(p.parameters(), cfg.optimizer, self.device.type) for p in self.model_parts]
+        self.lr_schedulers = [build_lr_scheduler(o, t.steps, cfg.lr_scheduler) for o in self.optimizers]
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, model_parts=self.model_parts,
+                                         optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
+                                         dataloader=self.dataloader, dp_rank=self.dp_rank)
+        self.step = self.checkpointer.load()
+        # The rank that holds the loss logs: rank 0 of the last pipeline stage.
+        self.is_logging_rank = self.has_last_stage and self.dims.coordinate("dp") == 0 and \
+            self.dims.coordinate("tp") == 0
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_logging_rank,
+                                     device=self.device, flops_per_token=self.flops_per_token,
+                                     non_data_parallel_size=self.dims.non_data_parallel_size)
+        self.preemption = PreemptionHandler()
+        self.data_iter = iter(self.dataloader)
+        gc.disable()
+        if self.rank == 0:
+            logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} params, "
+                        f"{self.flops_per_token:,.0f} FLOPs/token; world {tdist.world_size()} "
+                        f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}, "
+                        f"pp {self.dims.pp}, ep {self.dims.ep}); {self.device.type}/{self.backend or 'single'}, "
+                        f"param dtype {self.param_dtype}; global batch {self.global_batch_size} = local "
+                        f"{t.local_batch_size} x dp {self.dp_degree} x accum {self.grad_accum_steps}; "
+                        f"AC {cfg.activation_checkpoint.mode}, compile {cfg.compile.enable}; "
+                        f"starting at step {self.step}")
+
+    # ---- model assembly (one model part) ----
+    def parallelize_part(self, part: nn.Module) -> nn.Module:
+        cfg = self.cfg
+        if self.dims.tp_enabled:
+            if self.spec.tensor_parallel_fn is None:
+                raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {cfg.model.name} has no "
+                                  "TP plan; set it to 1")
+            self.spec.tensor_parallel_fn(part, self.dims.mesh("tp"), cfg.parallelism)
+        if self.dims.ep_enabled:
+            if self.spec.expert_parallel_fn is None:
+                raise ConfigError(f"config error: parallelism.expert_parallel_degree: {cfg.model.name} has no "
+                                  "experts; set it to 1")
+            self.spec.expert_parallel_fn(part, self.dims, cfg.parallelism)
+        if cfg.activation_checkpoint.mode != "none":
+            from parallelisms.activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(
+                part, cfg.activation_checkpoint, extra_save_ops=self.spec.sac_save_ops,
+                force_recompute_fqns=tuple(self.spec.sac_force_recompute_fqns), compile_enabled=cfg.compile.enable)
+        if cfg.compile.enable:
+            from parallelisms.compile import apply_compile
+
+            apply_compile(part, cfg.compile, cfg.activation_checkpoint)
+        dp_mesh = self.dims.fsdp_mesh()
+        if dp_mesh is not None:
+            from parallelisms.fsdp import apply_fsdp
+
+            apply_fsdp(part, dp_mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                       reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                       pp_enabled=self.dims.pp_enabled, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
+                       backend=self.backend or "nccl")
+        return part
+
+    # ---- loss ----
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss scaled by 1 / global valid tokens (set per step)."""
+        if self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                return cross_entropy_sum(logits, labels) / self._global_tokens
+        return cross_entropy_sum(logits, labels) / self._global_tokens
+
+    # ---- one optimizer step ----
+    def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(x.to(self.device, non_blocking=True) for x in next(self.data_iter))
+                for _ in range(self.grad_accum_steps)]
+
+    def count_global_tokens(self, batches) -> torch.Tensor:
+        local = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(torch.float32)
+        dp_mesh = self.dims.mesh("dp_cp")
+        if dp_mesh is not None:
+            dist.all_reduce(local, group=dp_mesh.get_group())
+        return local
+
+    def train_step(self, batches) -> tuple[float, float]:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._global_tokens = self.count_global_tokens(batches)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.pp_schedule is not None:
+            for inputs, labels in batches:
+                losses: list[torch.Tensor] = []
+                targets = labels if self.has_last_stage else None
+                if self.has_first_stage:
+                    self.pp_schedule.step(inputs, target=targets, losses=losses)
+                else:
+                    self.pp_schedule.step(target=targets, losses=losses)
+                if self.has_last_stage:
+                    loss_sum += torch.stack(losses).sum().detach()
+        else:
+            model = self.model_parts[0]
+            for inputs, labels in batches:
+                loss = self.loss_fn(model(inputs), labels)
+                loss.backward()
+                loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
+            pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.lr_schedulers:
+            sched.step()
+        if self.spec.post_optimizer_step_fn is not None:
+            for part in self.model_parts:
+                self.spec.post_optimizer_step_fn(part, self.dims)
+        # The logged loss is the global mean over valid tokens.
+        dp_mesh = self.dims.mesh("dp_cp")
+        if dp_mesh is not None:
+            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+        return loss_sum.item(), float(grad_norm.item())
+
+    def train(self) -> list[float]:
+        cfg, t = self.cfg, self.cfg.training
+        losses = []
+        snapshotter = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
+        tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
+        first_step = True
+        with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
+            while self.step < t.steps:
+                self.step += 1
+                if self.step % t.gc_freq == 0:
+                    gc.collect(1)
+                batches = self.next_microbatches()
+                loss, grad_norm = self.train_step(batches)
+                losses.append(loss)
+                last = self.step == t.steps
+                self.metrics.add_tokens(tokens_per_step)
+                if self.metrics.should_log(self.step, last):
+                    self.metrics.record(self.step, loss=loss, grad_norm=grad_norm,
+                                        lr=self.lr_schedulers[0].get_last_lr()[0])
+                if self.checkpointer.should_save(self.step, last):
+                    self.checkpointer.save(self.step, last_step=last)
+                if profiler is not None:
+                    profiler.step(self.step)
+                snapshotter.step(self.step)
+                if first_step:
+                    tdist.set_collective_timeout(cfg.comm.train_timeout_seconds)
+                    first_step = False
+                if not last and self.preemption.should_stop(self.device):
+                    logger.info(f"preemption signal received: saving a checkpoint at step {self.step} and exiting")
+                    if cfg.checkpoint.enable:
+                        self.checkpointer.save(self.step, force_sync=True)
+                    self.preemption.mark_preempted(self.step)
+                    break
+        return losses
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+        gc.enable()
+        tdist.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    cfg = main_guard(argv)
+    if cfg.job.dry_run:
+        dry_run(cfg)
+        return 0
+    Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+    try:
+        trainer = Trainer(cfg)
+    except (ConfigError, CheckpointError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(e), file=sys.stderr)
+        tdist.destroy()
+        return 2
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
