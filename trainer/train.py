@@ -95,16 +95,15 @@ class Trainer:
         from trainer.data import build_dataloader
         from trainer.data.tokenizer import build_tokenizer
 
-        self.tokenizer = None if t.dataset == "synthetic" else build_tokenizer(cfg.model.tokenizer_path)
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         vocab = getattr(self.model_args, "vocab_size")
-        if self.tokenizer is not None and self.tokenizer.vocab_size > vocab:
+        if self.tokenizer.vocab_size > vocab:
             raise ConfigError(
                 f"config error: model.tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
                 f"{cfg.model.name} {cfg.model.flavor} has vocab_size {vocab}; use a matching tokenizer or flavor")
         self.dataloader = build_dataloader(
             dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
-            vocab_size=vocab)
+            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
 
         # ---- model: meta -> [PP split] -> TP -> AC -> compile -> FSDP -> materialise ----
         with torch.device("meta"):
