@@ -8,6 +8,7 @@ from models.spec import ModelSpec
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     llama3.spec.name: llama3.spec,
+    "deepseek_v3": __import__("models.deepseek_v3", fromlist=["spec"]).spec,
 }
 
 

@@ -1,0 +1,379 @@
+"""Mixture of experts: token-choice top-k router, grouped routed experts, shared experts.
+
+Reusable by any MoE model. The forward is split into separately overridable steps so
+that expert parallelism can be added from outside without touching this file:
+
+    MoE.forward(x [B, S, D])
+      route(x_flat)            -> weights [N, K] (fp32), expert ids [N, K], scores [N, E]
+      permute(x_flat, ids)     -> routed_input [N*K, D] sorted by expert id (stable),
+                                  num_tokens_per_expert [E], order [N*K]
+      experts(routed_input, num_tokens_per_expert) -> routed_output [N*K, D] (same order)
+      unpermute(routed_output, order, weights)     -> [N, D] (weighted sum over the K picks)
+      + shared_experts(x_flat)
+
+An EP implementation wraps `experts.forward` (or `MoE.run_experts`): dispatch the
+sorted rows to the ranks that own each contiguous expert range with an all-to-all
+split by `num_tokens_per_expert`, run the local experts, and all-to-all the rows back
+in the same order. Routing weights never leave the rank: they are applied in
+`unpermute`, after the combine.
+
+Load balancing is DeepSeek V3's auxiliary-loss-free scheme: a per-expert bias
+(`expert_bias`, a persistent buffer) is added to the scores for expert selection
+only; `tokens_per_expert` (a non-persistent buffer) counts the picks during forward,
+and `update_moe_load_balance_bias` moves the bias toward balance after each
+optimizer step. An optional sequence-level balance loss (coefficient
+`aux_loss_coeff`) reaches the gradients by itself through `AddAuxLoss`; the trainer
+need not add anything (see `AddAuxLoss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    num_shared_experts: int = 1
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    # Normalise the top-k weights to sum to 1 (before route_scale). None = only for sigmoid.
+    route_norm: bool | None = None
+    route_scale: float = 1.0
+    # Group-limited routing: experts are split into n_groups equal groups and each token
+    # may only pick experts from its best topk_groups groups. n_groups=1 disables it.
+    n_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coeff: float = 0.0
+    use_grouped_mm: bool = True
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def select_experts(
+    scores: torch.Tensor,
+    top_k: int,
+    *,
+    bias: torch.Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int = 1,
+    score_func: str = "sigmoid",
+) -> torch.Tensor:
+    """Expert ids [N, top_k] for scores [N, E] (already softmax-ed / sigmoid-ed).
+
+    `bias` is added for the selection only. With n_groups > 1 a group's score is the
+    sum of its two best (biased) scores for sigmoid (DeepSeek V3), its best score for
+    softmax; experts outside the `topk_groups` best groups cannot be picked.
+    """
+    choice = scores if bias is None else scores + bias.to(scores.dtype)
+    if n_groups > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, n_groups, e // n_groups)
+        if score_func == "sigmoid" and e // n_groups >= 2:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = group_scores.topk(topk_groups, dim=-1).indices  # [N, topk_groups]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(n, e)
+    return choice.topk(top_k, dim=-1).indices
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k router. `gate` is the only parameter ([E, D] linear)."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.score_func = args.score_func
+        self.route_norm = args.score_func == "sigmoid" if args.route_norm is None else args.route_norm
+        self.route_scale = args.route_scale
+        self.n_groups = args.n_groups
+        self.topk_groups = args.topk_groups
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
+        """x: [N, D]. Returns (weights [N, K] fp32, expert ids [N, K] int64, scores [N, E] fp32)."""
+        logits = self.gate(x).float()
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        ids = select_experts(scores, self.top_k, bias=expert_bias, n_groups=self.n_groups,
+                             topk_groups=self.topk_groups, score_func=self.score_func)
+        weights = scores.gather(1, ids)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids, scores
+
+    def init_weights(self, std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=std)
+
+
+# --------------------------------------------------------------------------- experts
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: the CPU
+    `_grouped_mm` backward fails on expanded (stride-0) gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` applies: the op exists, dtypes are bf16/fp32, and every
+    row stride involved (x's, each weight's, the hidden activation's) is a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    esz = x.element_size()
+    if any(w.dtype != x.dtype for w in weights):
+        return False
+    sizes = [x.shape[-1]] + [s for w in weights for s in (w.shape[-1], w.shape[-2] * w.shape[-1])]
+    return all((s * esz) % 16 == 0 for s in sizes)
+
+
+def experts_grouped_mm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
+                       num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts via `torch._grouped_mm`. x: [T, D] rows sorted by expert; rows past
+    sum(num_tokens_per_expert) (padding) come back as zeros."""
+    offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    x = x.contiguous()
+    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+    out = torch._grouped_mm(h, w2, offs=offs)
+    return _ContiguousGrad.apply(out)
+
+
+def experts_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
+                 num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Reference: the same SwiGLU experts one matmul per expert (syncs for the split sizes)."""
+    counts = num_tokens_per_expert.tolist()
+    used = sum(counts)
+    outs = []
+    for e, xe in enumerate(torch.split(x[:used], counts, dim=0)):
+        h = F.silu(xe @ w1[e]) * (xe @ w3[e])
+        outs.append(h @ w2[e])
+    if used < x.shape[0]:
+        outs.append(x.new_zeros(x.shape[0] - used, w2.shape[-1]))
+    return torch.cat(outs, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked tensors, laid out for x @ W:
+
+        w1: [E, dim, hidden]  (gate projection; HF gate_proj.weight[e] transposed)
+        w3: [E, dim, hidden]  (up projection;   HF up_proj.weight[e] transposed)
+        w2: [E, hidden, dim]  (down projection; HF down_proj.weight[e] transposed)
+
+    out_e(x) = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]. Dim 0 is the expert dim that EP shards.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [T, dim] rows grouped by expert in order 0..E-1; num_tokens_per_expert: [E] int."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if isinstance(w1, DTensor):  # EP/TP-sharded: compute on the local shard
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
+            return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+        return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=std)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). Dense FFN and shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
+        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+
+
+# --------------------------------------------------------------------------- aux loss
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Returns x unchanged; in backward, gives `aux_loss` a gradient of 1, as if it had
+    been added to the final loss. So the balance loss trains the router with no help
+    from the trainer (and works under pipeline parallelism and activation checkpointing).
+    Caveat: its scale is 1 per forward call, independent of how the trainer normalises
+    the main loss (e.g. with gradient accumulation over M microbatches it counts M times)."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss):
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=g.device)
+
+
+def sequence_balance_loss(scores: torch.Tensor, ids: torch.Tensor, bsz: int, num_experts: int,
+                          score_func: str) -> torch.Tensor:
+    """DeepSeek V3's sequence-wise balance loss (without alpha): mean over sequences of
+    sum_i f_i * P_i, f_i = E / (K * S) * #tokens of the sequence picking i,
+    P_i = mean over the sequence's tokens of the normalised score of i."""
+    n, k = ids.shape
+    seq = n // bsz
+    probs = scores / scores.sum(dim=-1, keepdim=True) if score_func == "sigmoid" else scores
+    p = probs.view(bsz, seq, num_experts).mean(dim=1)  # [B, E]
+    picks = torch.zeros(bsz, num_experts, device=ids.device, dtype=probs.dtype)
+    picks.scatter_add_(1, ids.view(bsz, seq * k), torch.ones(bsz, seq * k, device=ids.device, dtype=probs.dtype))
+    f = picks * (num_experts / (k * seq))
+    return (f * p).sum(dim=-1).mean()
+
+
+# --------------------------------------------------------------------------- MoE layer
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of E) plus optional always-on shared experts.
+
+    Buffers:
+      expert_bias       [E] fp32, persistent (checkpointed): selection-only score bias.
+      tokens_per_expert [E] int64, non-persistent: picks counted since the last bias update.
+      aux_loss          [] fp32, non-persistent: last forward's balance loss (detached, with
+                        its coefficient), for logging; 0 when aux_loss_coeff is 0.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.router = TopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (FeedForward(dim, hidden_dim * args.num_shared_experts)
+                               if args.num_shared_experts > 0 else None)
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    # ---- steps (each one a seam for EP) ----
+    def route(self, x: torch.Tensor):
+        return self.router(x, self.expert_bias)
+
+    def permute(self, x: torch.Tensor, ids: torch.Tensor):
+        """Rows of x repeated per pick and sorted by expert id (stable: ties keep token order)."""
+        flat = ids.reshape(-1)
+        num_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        num_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+        order = torch.argsort(flat, stable=True)
+        routed_input = x.index_select(0, order // ids.shape[1])
+        return routed_input, num_tokens_per_expert, order
+
+    def run_experts(self, routed_input: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.experts(routed_input, num_tokens_per_expert)
+
+    def unpermute(self, routed_output: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Back to [N, K, D] pick order (a gather by the inverse permutation, deterministic),
+        then the routing-weighted sum over the K picks."""
+        n, k = weights.shape
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        picks = routed_output.index_select(0, inverse).view(n, k, -1)
+        return torch.bmm(weights.to(picks.dtype).unsqueeze(1), picks).squeeze(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        x_flat = x.reshape(-1, dim)
+        weights, ids, scores = self.route(x_flat)
+        routed_input, num_tokens_per_expert, order = self.permute(x_flat, ids)
+        with torch.no_grad():
+            # Under activation checkpointing the recompute counts again; the bias update
+            # uses only sign(mean - count) per layer, which a uniform factor leaves alone.
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        routed_output = self.run_experts(routed_input, num_tokens_per_expert)
+        out = self.unpermute(routed_output, order, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_flat)
+        out = out.view(bsz, seqlen, dim)
+        if self.args.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux = self.args.aux_loss_coeff * sequence_balance_loss(
+                scores, ids, bsz, self.num_experts, self.args.score_func)
+            with torch.no_grad():
+                self.aux_loss.copy_(aux.detach())
+            out = AddAuxLoss.apply(out, aux)
+        return out
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+            self.aux_loss.zero_()
+
+
+# --------------------------------------------------------------------------- balancing
+
+
+def _moe_layers(model: nn.Module | Iterable[nn.Module]) -> list[MoE]:
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: float = 1e-3,
+                                 dp_group=None) -> None:
+    """Aux-loss-free balancing step (call after each optimizer step).
+
+    For every MoE layer in `model` (a module, or a list of pipeline model parts):
+    sum `tokens_per_expert` over `dp_group` (a ProcessGroup or 1-D DeviceMesh; one
+    all-reduce for all layers), then expert_bias += coeff * sign(mean - count), and zero
+    the counters. Layers that saw no tokens are left unchanged."""
+    layers = _moe_layers(model)
+    if not layers:
+        return
+    counts = torch.stack([m.tokens_per_expert for m in layers]).to(torch.float32)
+    if dp_group is not None and dist.is_available() and dist.is_initialized():
+        group = dp_group.get_group() if hasattr(dp_group, "get_group") else dp_group
+        dist.all_reduce(counts, group=group)
+    delta = coeff * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
+    for m, d in zip(layers, delta):
+        m.expert_bias.add_(d.to(m.expert_bias.dtype))
+        m.tokens_per_expert.zero_()
+
+
+def moe_aux_loss(model: nn.Module | Iterable[nn.Module]) -> torch.Tensor | None:
+    """Sum of the last forward's balance losses over the MoE layers (detached, for logging);
+    None for a model without MoE layers."""
+    layers = _moe_layers(model)
+    if not layers:
+        return None
+    return torch.stack([m.aux_loss for m in layers]).sum()

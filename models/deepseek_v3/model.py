@@ -1,0 +1,216 @@
+"""DeepSeek V3 in plain PyTorch: MLA attention with YaRN RoPE, dense SwiGLU then MoE blocks.
+
+Same conventions as models/llama3: blocks in a `ModuleDict` keyed "0".."L-1",
+`forward` tolerates a missing embedding / final norm / output head (pipeline
+stages), `init_weights(buffer_device)` initialises everything including the
+non-persistent rope cache.
+
+RoPE layout: the rope part of q and k (the last `qk_rope_head_dim` channels of each
+q head, and the last `qk_rope_head_dim` outputs of `wkv_a`) uses the rotate-half
+layout of models/common/rope.py: channel j pairs with channel j + d/2. DeepSeek's
+own / HF checkpoints use the interleaved layout (channel 2i pairs with 2i + 1); an HF
+adapter must permute those output rows of wq (or wq_b) and wkv_a with
+`[0, 2, 4, ..., d-2, 1, 3, ..., d-1]` (and the inverse on export). See
+`interleaved_to_half_perm`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.common.moe import FeedForward, MoE, MoEArgs
+from models.common.norms import RMSNorm
+from models.common.rope import apply_rope, rope_cos_sin
+from models.deepseek_v3.args import DeepSeekV3Args
+
+
+def interleaved_to_half_perm(rope_dim: int) -> torch.Tensor:
+    """Index that reorders interleaved-rope channels into the rotate-half layout:
+    `w_half = w_interleaved[perm]` on the rope output rows."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_seq_len: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """RoPE inverse frequencies with YaRN ("NTK-by-parts") interpolation.
+
+    Frequencies that turn more than `beta_fast` times over the original context keep
+    their value, those that turn fewer than `beta_slow` times are divided by `factor`,
+    and a linear ramp over the dimension index blends the two in between."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if factor <= 1.0:
+        return inv_freq.float()
+
+    def dim_for_rotations(n_rot: float) -> float:
+        # Pair index i whose wavelength 2*pi*theta^(2i/dim) fits n_rot times into original_seq_len.
+        return dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(dim_for_rotations(beta_fast)), 0)
+    hi = min(math.ceil(dim_for_rotations(beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0.0, 1.0)
+    # ramp 0 -> keep (extrapolate), ramp 1 -> interpolate (divide by factor).
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1.0 - ramp)
+    return inv_freq.float()
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention.
+
+    q = wq(x) or wq_b(q_norm(wq_a(x)))              -> [.., H, nope + rope]
+    wkv_a(x) = [c_kv (kv_lora_rank), k_rope (rope)]  (k_rope shared by all heads)
+    wkv_b(kv_norm(c_kv))                             -> [.., H, nope + v]
+    """
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.nope_dim = args.qk_nope_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        self.v_head_dim = args.v_head_dim
+        self.softmax_scale = args.softmax_scale
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 head counts: under TP these projections hold only the local heads.
+        q = q.view(bsz, seqlen, -1, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+
+        kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # [B, S, 1, rope]
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+
+        # SDPA accepts a v head dim different from the q/k head dim (checked on CPU and CUDA).
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=self.softmax_scale)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        lins = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for lin in lins + [self.wkv_a, self.wkv_b]:
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+        if self.q_lora_rank:
+            self.q_norm.reset_parameters()
+        self.kv_norm.reset_parameters()
+
+
+def moe_args_from(args: DeepSeekV3Args) -> MoEArgs:
+    return MoEArgs(
+        num_experts=args.n_routed_experts, top_k=args.n_activated_experts,
+        num_shared_experts=args.n_shared_experts, score_func=args.score_func, route_norm=args.route_norm,
+        route_scale=args.route_scale, n_groups=args.n_expert_groups, topk_groups=args.n_limited_groups,
+        aux_loss_coeff=args.aux_loss_coeff, use_grouped_mm=args.use_grouped_mm,
+    )
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block. Dense blocks have `feed_forward`, MoE blocks have `moe` (never both)."""
+
+    def __init__(self, layer_id: int, args: DeepSeekV3Args):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = MLA(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe_enabled = layer_id >= args.n_dense_layers
+        if self.moe_enabled:
+            self.moe = MoE(args.dim, args.moe_inter_dim, moe_args_from(args))
+        else:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_std)
+        (self.moe if self.moe_enabled else self.feed_forward).init_weights(0.02, self.out_std)
+
+
+class DeepSeekV3(nn.Module):
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: recomputed by init_weights, so checkpoints hold only weights.
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+
+    def _rope_cache(self) -> torch.Tensor:
+        a = self.args
+        factor = a.rope_factor if a.yarn_enabled else 1.0
+        inv_freq = yarn_inv_freq(a.qk_rope_head_dim, a.rope_theta, factor, a.original_seq_len,
+                                 a.beta_fast, a.beta_slow)
+        # YaRN's temperature is applied once, through the softmax scale (mscale^2), not here.
+        return rope_cos_sin(inv_freq, a.max_seq_len)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialises every parameter and buffer this (possibly pipeline-split) model holds."""
+        with torch.device(buffer_device or self.rope_cache.device):
+            self.rope_cache = self._rope_cache()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for block in self.layers.values():
+            block.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            final_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline
+        stage without the embedding. Returns logits, or hidden states without the head."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[: h.shape[1]]
+        for block in self.layers.values():
+            h = block(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def count_params(model_or_args: nn.Module | DeepSeekV3Args) -> tuple[int, int]:
+    """(total, activated per token) parameters of an unsharded model, counting the
+    embedding, the output head and the `expert_bias` buffers. Args are built on the
+    meta device. Under EP, count the meta model, not a sharded one."""
+    if isinstance(model_or_args, DeepSeekV3Args):
+        with torch.device("meta"):
+            model = DeepSeekV3(model_or_args)
+    else:
+        model = model_or_args
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            total += m.expert_bias.numel()
+            per_expert = sum(w[0].numel() for w in (m.experts.w1, m.experts.w2, m.experts.w3))
+            inactive += (m.num_experts - m.top_k) * per_expert
+    return total, total - inactive
