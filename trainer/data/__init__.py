@@ -10,6 +10,7 @@ object is ``loader.dataset`` (``describe()`` gives a one-line summary).
 from __future__ import annotations
 
 import logging
+import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -64,4 +65,6 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
                        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)
     kwargs = {"prefetch_factor": 2} if num_workers > 0 else {}
     # batch_size=None: the stream yields whole batches (that keeps the order independent of workers).
-    return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs)
+    with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital in __init__
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs)
