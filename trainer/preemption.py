@@ -3,6 +3,11 @@
 The handler only sets a flag, so a second signal during the checkpoint save
 changes nothing. Ranks may receive the signal at different times, so
 `should_stop` agrees across ranks with a MAX all-reduce before anyone acts.
+
+Under `python -m trainer.launch` (the SLURM path) workers start with SIGUSR1
+blocked, so that a signal arriving before this handler exists is held instead
+of killing the process; installing the handler unblocks it, and a pending one
+is delivered right then.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class PreemptionHandler:
         self.signal_received: int | None = None
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PREEMPT_SIGNALS))
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_received is None:
