@@ -146,8 +146,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def experts_grouped_mm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
                        num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts via `torch._grouped_mm`. x: [T, D] rows sorted by expert; rows past
-    sum(num_tokens_per_expert) (padding) come back as zeros."""
+    """SwiGLU experts via `torch._grouped_mm`. x: [T, D] rows sorted by expert. Rows past
+    sum(num_tokens_per_expert) (padding) are left uninitialised: callers must drop them."""
     offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     x = x.contiguous()
     h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
@@ -157,7 +157,8 @@ def experts_grouped_mm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: 
 
 def experts_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Reference: the same SwiGLU experts one matmul per expert (syncs for the split sizes)."""
+    """Reference: the same SwiGLU experts one matmul per expert (syncs for the split sizes).
+    Padding rows past sum(num_tokens_per_expert) come back as zeros."""
     counts = num_tokens_per_expert.tolist()
     used = sum(counts)
     outs = []

@@ -22,13 +22,30 @@ def _sac_save_ops() -> frozenset:
     return frozenset(ops)
 
 
+def post_optimizer_step(model, parallel_dims=None) -> None:
+    """ModelSpec.post_optimizer_step_fn: the trainer calls it as (model_part, ParallelDims).
+    Loads are summed over the "dp_cp" ranks (those that route different tokens), so every
+    replica of a layer applies the same bias update."""
+    coeff = getattr(getattr(model, "args", None), "load_balance_coeff", 1e-3)
+    group = parallel_dims.mesh("dp_cp") if parallel_dims is not None else None
+    update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
+
+
+def summarize(model, args: DeepSeekV3Args, seq_len: int) -> dict[str, float]:
+    """ModelSpec.summary_fn: total and activated params (embedding, head and expert biases
+    included) and training FLOPs per token from the activated non-embedding params."""
+    total, activated = count_params(model)
+    return {"params": total, "activated_params": activated, "flops_per_token": args.flops_per_token(seq_len)}
+
+
 spec = ModelSpec(
     name="deepseek_v3",
     flavors=DEEPSEEK_V3_FLAVORS,
     model_cls=DeepSeekV3,
     sac_save_ops=_sac_save_ops(),
     sac_force_recompute_fqns=("*router.gate*",),
-    post_optimizer_step_fn=update_moe_load_balance_bias,
+    post_optimizer_step_fn=post_optimizer_step,
+    summary_fn=summarize,
 )
 
 __all__ = [

@@ -31,6 +31,9 @@ class DeepSeekV3Args:
     route_norm: bool | None = None
     # Sequence-level balance loss coefficient (DeepSeek V3's alpha); 0 disables it.
     aux_loss_coeff: float = 0.0
+    # Aux-loss-free balancing: expert_bias += coeff * sign(mean load - load) after each
+    # optimizer step (spec.post_optimizer_step_fn). 0 freezes the bias.
+    load_balance_coeff: float = 1e-3
     # Routed experts through torch._grouped_mm where it applies, else a per-expert loop.
     use_grouped_mm: bool = True
 
