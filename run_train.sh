@@ -33,4 +33,4 @@ export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 
 LAUNCHER=${TORCHRUN:-python -m torch.distributed.run}
 exec $LAUNCHER --standalone --nnodes 1 --nproc-per-node "$NPROC" --local-ranks-filter "$LOG_RANK" \
-  --role rank --tee 3 -m trainer.train "${args[@]}"
+  --tee 3 -m trainer.train "${args[@]}"

@@ -175,6 +175,13 @@ class ParallelDims:
             return self.world_mesh["dp_replicate", shard_name]
         return shard if shard is not None else replicate
 
+    def shard_seed_offset(self) -> int:
+        """A distinct number per (pp, dp_shard, cp, tp) coordinate, shared by dp_replicate replicas."""
+        offset = 0
+        for name in ("pp", "dp_shard", "cp", "tp"):
+            offset = offset * getattr(self, name) + self.coordinate(name)
+        return offset
+
     def coordinate(self, name: str) -> int:
         m = self.mesh(name)
         return 0 if m is None else m.get_local_rank()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.configurable import opt
+from trainer.configurable import ConfigError, opt
 
 
 @dataclass
@@ -24,6 +24,12 @@ class CheckpointConfig:
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder.")
     last_save_in_hf: bool = opt(False, "Also export the final weights as a Hugging Face folder.")
     export_dtype: str = opt("float32", "dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
+    create_seed_checkpoint: bool = opt(False, "Initialise the model in one process, save it as step-0 and exit. "
+                                       "Runs on any layout that then start from it begin with identical weights.")
+
+    def validate(self, root) -> None:
+        if self.create_seed_checkpoint and not self.enable:
+            raise ConfigError("config error: checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
 
 
 import os
@@ -43,8 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-
-from trainer.configurable import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -130,6 +134,8 @@ class Checkpointer:
     def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
         if not self.cfg.enable:
             return
+        if last_step and self.cfg.last_save_model_only:
+            return self.save_model_only(step)
         self.wait()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
@@ -137,10 +143,7 @@ class Checkpointer:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
-        if last_step and self.cfg.last_save_model_only:
-            state: dict[str, Any] = {"model": self._export_model_state()}
-        else:
-            state = self._full_state(step)
+        state = self._full_state(step)
         t0 = time.perf_counter()
         if self.cfg.async_mode == "async" and not force_sync and not last_step:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg)
@@ -149,6 +152,17 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(tmp))
             self._commit(tmp, final)
         self.last_save_seconds = time.perf_counter() - t0
+
+    def save_model_only(self, step: int) -> None:
+        """Writes step-N with model weights only (a seed checkpoint or an export)."""
+        self.wait()
+        final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
+        if _rank() == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        dcp.save({"model": self._export_model_state()}, checkpoint_id=str(tmp))
+        self._commit(tmp, final)
 
     def _export_model_state(self) -> dict[str, Any]:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.export_dtype]

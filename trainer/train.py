@@ -119,11 +119,15 @@ class Trainer:
                 model, self.spec, self.dims, cfg, self.loss_fn, self.device, self.parallelize_part)
         else:
             self.model_parts = [self.parallelize_part(model)]
+        # Each shard draws from its own stream (replicas share one), so shards are not copies
+        # of each other; runs that must match across layouts start from a seed checkpoint.
+        torch.manual_seed(t.seed + self.dims.shard_seed_offset())
         for part in self.model_parts:
             part.to_empty(device=self.device)
             with torch.no_grad():
                 part.init_weights(buffer_device=self.device)
             part.train()
+        tdist.set_seed(t.seed, t.deterministic)
 
         # ---- optimizer, schedule, checkpoint, metrics ----
         self.optimizers = [build_optimizer(p.parameters(), cfg.optimizer, self.device.type) for p in self.model_parts]
@@ -131,6 +135,13 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, model_parts=self.model_parts,
                                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
                                          dataloader=self.dataloader, dp_rank=self.dp_rank)
+        if cfg.checkpoint.create_seed_checkpoint:
+            if tdist.world_size() != 1:
+                raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
+                                  "(NGPU=1), so that the weights do not depend on a parallel layout")
+            self.checkpointer.save_model_only(0)
+            self.step = 0
+            return
         self.step = self.checkpointer.load()
         # The rank that holds the loss logs: rank 0 of the last pipeline stage.
         self.is_logging_rank = self.has_last_stage and self.dims.coordinate("dp") == 0 and \
@@ -300,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         tdist.destroy()
         return 2
     try:
-        trainer.train()
+        if not cfg.checkpoint.create_seed_checkpoint:
+            trainer.train()
     finally:
         trainer.close()
     return 0
