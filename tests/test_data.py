@@ -191,6 +191,7 @@ def test_workers_same_stream_and_resume(tmp_path, tok):
     dl = _loader(tok, num_workers=2, **kw)
     it = iter(dl)
     head = _take(it, 13)
+    assert all(isinstance(b, tuple) for b in head)
     assert _same(head, reference[:13])  # worker count does not change the stream
     state = dl.state_dict()
     tail = _take(it, 7)
@@ -219,6 +220,7 @@ def test_synthetic_deterministic_and_resumable(tok):
     r0b = _take(iter(build_dataloader(dp_rank=0, dp_world_size=2, **kw)), 6)
     r1 = _take(iter(build_dataloader(dp_rank=1, dp_world_size=2, **kw)), 6)
     assert _same(r0, r0b) and not torch.equal(r0[0][0], r1[0][0])
+    assert all(isinstance(b, tuple) and len(b) == 2 for b in r0)
     for x, y in r0:
         assert x.shape == (2, 8) and x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
         assert int(x.min()) >= 0 and int(x.max()) < tok.vocab_size
@@ -378,3 +380,11 @@ def test_cache_concurrent_builders_build_once(tmp_path):
     assert sums == [sum(range(1000))] * 3
     assert log.read_text().count("built") == 1
     assert not [n for n in os.listdir(tmp_path / "cache") if n.endswith(".tmp")]
+
+
+def test_cache_unwritable_falls_back_to_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "file_not_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("TITAN_DATA_CACHE", str(blocker / "cache"))
+    arr, _, built = cached_tokens("x", lambda: np.arange(5, dtype=np.uint16))
+    assert built and arr.tolist() == [0, 1, 2, 3, 4]

@@ -31,6 +31,11 @@ DATASETS = ("builtin", "synthetic", "files")
 logger = logging.getLogger(__name__)
 
 
+def _keep_batch(batch):
+    """Identity collate: the stream already yields (inputs, labels) tuples of tensors."""
+    return batch
+
+
 def build_dataset(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer, seq_len: int,
                   local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int) -> BatchStream:
     """The batch stream behind `build_dataloader` (same arguments, minus num_workers)."""
@@ -67,4 +72,4 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
     # batch_size=None: the stream yields whole batches (that keeps the order independent of workers).
     with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital in __init__
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, collate_fn=_keep_batch, **kwargs)

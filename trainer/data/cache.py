@@ -30,22 +30,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 @contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
+def _file_lock(f) -> Iterator[None]:
+    """Exclusive advisory lock on the open file `f`, where the OS and file system allow."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: rely on atomic rename alone
+
+        fcntl.flock(f, fcntl.LOCK_EX)
+    except (ImportError, OSError):  # not POSIX, or no locks on this file system: rely on atomic rename
         yield
         return
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # lock not supported on this file system
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def save_atomic(path: str, array: np.ndarray) -> None:
@@ -82,8 +79,14 @@ def cached_tokens(name: str, build: Callable[[], np.ndarray]) -> tuple[np.ndarra
         arr = _load(path)
         if arr is not None:
             return arr, path, False
-    os.makedirs(folder, exist_ok=True)
-    with _file_lock(path + ".lock"):
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock_file = open(path + ".lock", "a+")
+    except OSError as e:
+        logger.warning("data cache: cannot write to %s (%s); building in memory without caching "
+                       "(set TITAN_DATA_CACHE to a writable folder)", folder, e)
+        return build(), path, True
+    with lock_file, _file_lock(lock_file):
         if os.path.exists(path):  # another rank built it while we waited
             arr = _load(path)
             if arr is not None:
