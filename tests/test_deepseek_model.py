@@ -197,22 +197,22 @@ def test_tiny_model_trains_and_balances():
     model = build(args, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (4, 33), generator=g)
+    tokens = torch.randint(0, 256, (2, 25), generator=g)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     losses = []
-    for _ in range(8):
+    for _ in range(6):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
-        assert model.layers["1"].moe.tokens_per_expert.sum() == 4 * 32 * 2
+        assert model.layers["1"].moe.tokens_per_expert.sum() == 2 * 24 * 2
         spec.post_optimizer_step_fn(model, None)
         assert model.layers["1"].moe.tokens_per_expert.sum() == 0
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert model.layers["2"].moe.expert_bias.abs().sum() > 0  # the bias moved, by multiples of 1e-3
-    assert model.layers["2"].moe.expert_bias.abs().max() <= 8 * args.load_balance_coeff + 1e-9
+    assert model.layers["2"].moe.expert_bias.abs().max() <= 6 * args.load_balance_coeff + 1e-9
 
 
 def test_spec_and_flavors():

@@ -102,9 +102,17 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        # SDPA accepts a v head dim different from the q/k head dim (checked on CPU and CUDA).
+        # SDPA accepts a v head dim different from the q/k head dim, but on CPU only the math
+        # backend does (an [S, S] score matrix, ~2.5x slower): there, zero-pad v to the q/k
+        # head dim so that the fused flash kernel runs, and drop the padded output channels.
+        # CUDA picks cuDNN / memory-efficient attention, which take the unequal dims as they are.
+        pad = self.qk_head_dim - self.v_head_dim if x.device.type == "cpu" else 0
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=self.softmax_scale)
+        if pad > 0:
+            out = out[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
