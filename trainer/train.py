@@ -139,10 +139,7 @@ class Trainer:
             if tdist.world_size() != 1:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
-            self.checkpointer.save_model_only(0)
-            self.step = 0
-            return
-        self.step = self.checkpointer.load()
+        self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
         # The rank that holds the loss logs: rank 0 of the last pipeline stage.
         self.is_logging_rank = self.has_last_stage and self.dims.coordinate("dp") == 0 and \
             self.dims.coordinate("tp") == 0
@@ -256,6 +253,10 @@ class Trainer:
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_model_only(0)
+            logger.info(f"seed checkpoint written to {self.checkpointer.folder / 'step-0'}")
+            return []
         losses = []
         snapshotter = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
         tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
@@ -311,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         tdist.destroy()
         return 2
     try:
-        if not cfg.checkpoint.create_seed_checkpoint:
-            trainer.train()
+        trainer.train()
     finally:
         trainer.close()
     return 0

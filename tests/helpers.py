@@ -1,0 +1,63 @@
+"""Shared test helpers: run the trainer in-process (1 rank) or under torchrun (N ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny, fast setup shared by most trainer tests: 3 layers (odd), GQA, seq 64.
+TINY = ["--model.flavor", "debug_small", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--optimizer.lr", "1e-3"]
+
+
+def run_in_process(args: list[str], stop_after: int | None = None):
+    """Runs the trainer in this process; returns (per-step losses, trainer).
+
+    `stop_after` simulates a preemption at that step (checkpoint + exit), through
+    the same code path as a real SIGUSR1."""
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    cfg = load_config(args)
+    trainer = Trainer(cfg)
+    if stop_after is not None:
+        trainer.preemption.should_stop = lambda device: trainer.step >= stop_after
+    try:
+        losses = trainer.train()
+    finally:
+        trainer.close()
+    return losses, trainer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 300, module: str = "trainer.train",
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Launches `nproc` gloo ranks with a hard timeout; raises with the output on failure."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(dump_folder: str | Path) -> list[dict]:
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses_by_step(dump_folder: str | Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(dump_folder)}

@@ -1,0 +1,121 @@
+"""Config precedence, validation errors and --help."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import CONFIG_DIR, SECTIONS, help_text, load_config
+from trainer.configurable import ConfigError, field_docs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 0.5\n')
+    cfg = load_config(["--config", str(toml), "--training.steps", "9"])
+    assert cfg.training.steps == 9          # CLI beats TOML
+    assert cfg.training.seq_len == 128      # TOML beats default
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.training.local_batch_size == 8  # default survives
+    cfg = load_config(["--config", str(toml), "--training.steps=11", "--checkpoint.enable"])
+    assert cfg.training.steps == 11 and cfg.checkpoint.enable is True
+
+
+def test_every_required_key_is_overridable():
+    keys = ["job.dump_folder", "model.name", "model.flavor", "training.steps", "training.seq_len",
+            "training.local_batch_size", "training.global_batch_size", "training.max_norm", "training.seed",
+            "optimizer.lr", "lr_scheduler.warmup_steps", "checkpoint.enable", "checkpoint.folder",
+            "checkpoint.interval", "checkpoint.keep_latest_k", "metrics.log_freq", "metrics.enable_tensorboard",
+            "compile.enable", "profiling.enable_profiling", "profiling.profile_freq", "activation_checkpoint.mode",
+            "parallelism.data_parallel_shard_degree"]
+    values = {"job.dump_folder": "x", "model.name": "llama3", "model.flavor": "8B", "checkpoint.folder": "ck",
+              "activation_checkpoint.mode": "full"}
+    for key in keys:
+        section, name = key.split(".")
+        value = values.get(key)
+        if value is None:
+            current = getattr(getattr(load_config([]), section), name)
+            value = {bool: "true", int: "3", float: "0.5"}[type(current)]
+        cfg = load_config([f"--{key}", value])
+        assert str(getattr(getattr(cfg, section), name)).lower() in (value.lower(), str(float(value)) if
+                                                                     value.replace(".", "").isdigit() else value)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--training.stpes", "3"], "unknown key training.stpes (did you mean training.steps?)"),
+    (["--trainig.steps", "3"], "did you mean --training.steps?"),
+    (["--training.steps", "abc"], "training.steps: expected int, got 'abc'"),
+    (["--training.steps", "0"], "training.steps: 0 is below the minimum 1"),
+    (["--optimizer.lr", "fast"], "optimizer.lr: expected float"),
+    (["--checkpoint.enable", "maybe"], "checkpoint.enable: expected bool"),
+    (["--activation_checkpoint.mode", "opp"], "did you mean 'op'?"),
+    (["--model.flavor", "8b"], "model.flavor: unknown value '8b'"),
+    (["--model.name", "lama3"], "did you mean 'llama3'?"),
+    (["--config", "llama9b.toml"], "not found"),
+    (["--training.dataset", "files"], "training.dataset_path"),
+    (["--training.seq_len", "99999999"], "training.seq_len"),
+    (["positional"], "unexpected argument"),
+])
+def test_errors_are_one_line_and_name_the_key(argv, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_toml_errors(tmp_path):
+    bad_section = tmp_path / "a.toml"
+    bad_section.write_text("[trainig]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[trainig\].*did you mean \[training\]"):
+        load_config(["--config", str(bad_section)])
+    bad_type = tmp_path / "b.toml"
+    bad_type.write_text('[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="training.steps: expected int, got 'ten'"):
+        load_config(["--config", str(bad_type)])
+
+
+def test_every_shipped_config_loads_by_name():
+    names = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
+    assert {"llama_debug.toml", "llama8b.toml", "llama70b.toml", "llama405b.toml"} <= set(names)
+    for name in names:
+        cfg = load_config(["--config", name])
+        assert cfg.job.config_file.endswith(name)
+
+
+def test_help_lists_every_field_with_its_doc():
+    text = help_text()
+    for section, cls in SECTIONS.items():
+        for name, _, _, doc in field_docs(cls):
+            assert f"--{section}.{name} " in text
+            assert doc.split(".")[0] in text
+
+
+def test_cli_error_exits_2_with_one_line_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--training.stpes", "3"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["config error: unknown key training.stpes (did you mean training.steps?)"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_impossible_layouts_are_rejected():
+    from parallelisms.parallel_dims import ParallelDims
+    from models.llama3 import LLAMA3_FLAVORS
+
+    with pytest.raises(ConfigError, match=r"= 6, but the world size is 4"):
+        ParallelDims(dp_shard=3, tp=2, world_size=4)
+    with pytest.raises(ConfigError, match="does not divide the world size"):
+        ParallelDims(tp=3, world_size=4)
+    dims = ParallelDims(tp=3, dp_shard=1, world_size=3)
+    with pytest.raises(ConfigError, match="does not divide the model's 16 heads"):
+        dims.validate_model(LLAMA3_FLAVORS["debug"], 256, True)
+    dims = ParallelDims(tp=2, dp_shard=1, world_size=2)
+    with pytest.raises(ConfigError, match="seq_len: 255 is not divisible"):
+        dims.validate_model(LLAMA3_FLAVORS["debug"], 255, True)
+    dims = ParallelDims(pp=4, dp_shard=1, world_size=4)
+    with pytest.raises(ConfigError, match="4 stages exceed the model's 3 layers"):
+        dims.validate_model(LLAMA3_FLAVORS["debug_small"], 64, False)
