@@ -366,7 +366,7 @@ class OpSACPolicy:
             return (P.MUST_SAVE if odd else P.PREFER_RECOMPUTE), "ALTERNATE", ""
         if key in self.save_ops or func in self.save_ops:
             return P.MUST_SAVE, "SAVE", ""
-        if func in _D2H_OPS and _is_device_to_host(args, out):
+        if key in _D2H_OPS and _is_device_to_host(args, out):
             return P.MUST_SAVE, "SAVE", "device-to-host copy"
         return P.PREFER_RECOMPUTE, "RECOMPUTE", ""
 
@@ -694,15 +694,28 @@ def saved_activation_bytes(block: nn.Module, *inputs: Any, mode: str = "op",
 def cpu_attention_flop_mapping() -> dict:
     """`custom_mapping` for FlopCounterMode: CPU flash attention and its backward, which
     its registry lacks, counted with the same formulas as the CUDA SDPA backends."""
-    from torch.utils import flop_counter as fc
     mapping = {}
     fwd = _lookup("aten", "_scaled_dot_product_flash_attention_for_cpu")
     bwd = _lookup("aten", "_scaled_dot_product_flash_attention_for_cpu_backward")
     if fwd is not None:
-        mapping[fwd] = fc.sdpa_flop
+        mapping[fwd] = _cpu_sdpa_flop
     if bwd is not None:
-        mapping[bwd] = fc.sdpa_backward_flop
+        mapping[bwd] = _cpu_sdpa_backward_flop
     return mapping
+
+
+# FlopCounterMode passes shapes: (query, key, value, dropout_p, is_causal, ...) and
+# (grad_out, query, key, value, out, logsumexp, ...). Like the CUDA backends' formulas,
+# these ignore causal masking.
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                            **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 def flop_counter(**kwargs) -> torch.utils.flop_counter.FlopCounterMode:
