@@ -133,9 +133,13 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` applies: the op exists, dtypes are bf16/fp32, and every
+    """Whether `torch._grouped_mm` applies: the op exists; the dtype is bf16, or fp32 in eager
+    mode on CPU (the op's meta kernel, hence torch.compile, and CUDA take bf16 only); and every
     row stride involved (x's, each weight's, the hidden activation's) is a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.bfloat16, torch.float32):
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype != torch.bfloat16 and not (
+            x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()):
         return False
     esz = x.element_size()
     if any(w.dtype != x.dtype for w in weights):
