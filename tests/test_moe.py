@@ -314,3 +314,14 @@ def test_sequence_balance_loss_is_one_when_uniform():
     scores = torch.full((s, e), 0.5)
     ids = torch.tensor([[0, 1], [2, 3]] * (s // 2))
     torch.testing.assert_close(sequence_balance_loss(scores, ids, 1, e, "sigmoid"), torch.tensor(1.0))
+
+
+def test_grouped_mm_supported_rules():
+    w = torch.zeros(2, 16, 32)
+    assert grouped_mm_supported(torch.zeros(3, 16), w, w.transpose(1, 2).contiguous(), w)
+    wb = w.bfloat16()
+    assert grouped_mm_supported(torch.zeros(3, 16, dtype=torch.bfloat16), wb, wb.transpose(1, 2).contiguous(), wb)
+    wh = w.half()
+    assert not grouped_mm_supported(torch.zeros(3, 16, dtype=torch.float16), wh, wh.transpose(1, 2).contiguous(), wh)
+    w6 = torch.zeros(2, 16, 6)  # hidden rows of 24 bytes
+    assert not grouped_mm_supported(torch.zeros(3, 16), w6, w6.transpose(1, 2).contiguous(), w6)
