@@ -27,7 +27,7 @@ from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError
-from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from trainer.loss import IGNORE_INDEX, chunked_ce_loss_sum, cross_entropy_sum, install_chunked_ce_head
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
@@ -109,6 +109,8 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.model_cls(self.model_args)
         summary = self.spec.summary_fn(model, self.model_args, t.seq_len)
+        # loss.chunked_ce: the output Linear becomes a head that computes the loss (same params/FQNs).
+        self.chunked_ce = install_chunked_ce_head(model, cfg.loss)
         self.num_params, self.flops_per_token = summary["params"], summary["flops_per_token"]
         self.pp_schedule = None
         self.has_first_stage = self.has_last_stage = True
@@ -229,10 +231,15 @@ class Trainer:
                     self.pp_schedule.step(target=targets, losses=losses)
                 if self.has_last_stage:
                     loss_sum += torch.stack(losses).sum().detach()
+            # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
+            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         else:
             model = self.model_parts[0]
             for inputs, labels in batches:
-                loss = self.loss_fn(model(inputs), labels)
+                if self.chunked_ce:  # the head computes the summed loss while FSDP has its weight gathered
+                    loss = chunked_ce_loss_sum(model, inputs, labels) / self._global_tokens
+                else:
+                    loss = self.loss_fn(model(inputs), labels)
                 loss.backward()
                 loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(
