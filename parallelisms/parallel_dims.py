@@ -31,6 +31,103 @@ class ParallelismConfig:
     module_fqns_per_model_part: list[list[str]] | None = opt(
         None, "Override of the PP split: module names per stage, e.g. [[\"tok_embeddings\", \"layers.0\"], ...].")
 
+    def validate(self, root) -> None:
+        """Layout checks that need no world size (they also run for --dry-run)."""
+        from trainer.configurable import ConfigError
+
+        if self.context_parallel_degree != 1:
+            raise ConfigError(
+                f"config error: parallelism.context_parallel_degree: {self.context_parallel_degree} is not supported "
+                "yet (context parallelism is not implemented); set it to 1")
+        try:
+            from models import MODEL_SPECS
+
+            args = MODEL_SPECS[root.model.name].flavors[root.model.flavor]
+        except (ImportError, KeyError):
+            args = None
+        tp, pp = self.tensor_parallel_degree, self.pipeline_parallel_degree
+        check_model_layout(args, tp=tp, pp=pp, seq_len=root.training.seq_len,
+                           sequence_parallel=self.enable_sequence_parallel and tp > 1)
+        if pp > 1:
+            check_pipeline_layout(self, getattr(args, "n_layers", None), root.training.local_batch_size)
+
+
+# Schedules that run one stage per rank, and those that need exactly two (a "V").
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def check_model_layout(model_args, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """TP must divide heads and KV heads; SP needs seq_len divisible by TP; at most one stage per layer."""
+    from trainer.configurable import ConfigError
+
+    n_heads = getattr(model_args, "n_heads", None)
+    n_kv = getattr(model_args, "n_kv_heads", None) or n_heads
+    if tp > 1 and n_heads is not None:
+        for name, count in (("heads", n_heads), ("KV heads", n_kv)):
+            if count % tp != 0:
+                raise ConfigError(
+                    f"config error: parallelism.tensor_parallel_degree: {tp} does not divide the model's "
+                    f"{count} {name}; use a TP degree that divides {count}")
+    if tp > 1 and sequence_parallel and seq_len % tp != 0:
+        raise ConfigError(
+            f"config error: training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
+            f"{tp} with sequence parallel on; use a multiple of {tp} or "
+            "--parallelism.enable_sequence_parallel false")
+    n_layers = getattr(model_args, "n_layers", None)
+    if pp > 1 and n_layers is not None and pp > n_layers:
+        raise ConfigError(
+            f"config error: parallelism.pipeline_parallel_degree: {pp} stages exceed the model's "
+            f"{n_layers} layers; use at most {n_layers}")
+
+
+def check_pipeline_layout(cfg: ParallelismConfig, n_layers: int | None, local_batch_size: int) -> None:
+    """Stages per rank vs schedule, stages vs layers, microbatches vs schedule."""
+    from trainer.configurable import ConfigError
+
+    pp, spr, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_stages_per_rank, cfg.pipeline_parallel_schedule
+    stages = pp * spr
+    if name in SINGLE_STAGE_SCHEDULES and spr != 1:
+        raise ConfigError(
+            f"config error: parallelism.pipeline_parallel_stages_per_rank: {name} runs one stage per rank, got "
+            f"{spr}; set it to 1 or use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble")
+    if name in V_SCHEDULES and spr != 2:
+        raise ConfigError(
+            f"config error: parallelism.pipeline_parallel_stages_per_rank: {name} needs exactly 2 stages per rank "
+            f"(a V: the first and last stage on PP rank 0), got {spr}; set it to 2")
+    override = cfg.module_fqns_per_model_part
+    if override is not None:
+        if len(override) != stages:
+            raise ConfigError(
+                f"config error: parallelism.module_fqns_per_model_part: {len(override)} stages listed, but "
+                f"pipeline_parallel_degree({pp}) x pipeline_parallel_stages_per_rank({spr}) = {stages}; list "
+                f"{stages} stages")
+    elif n_layers is not None and stages > n_layers:
+        raise ConfigError(
+            f"config error: parallelism.pipeline_parallel_stages_per_rank: pipeline_parallel_degree({pp}) x "
+            f"stages_per_rank({spr}) = {stages} stages exceed the model's {n_layers} layers; use at most "
+            f"{n_layers} stages")
+    mb = cfg.pipeline_parallel_microbatch_size
+    if local_batch_size % mb != 0:
+        raise ConfigError(
+            f"config error: training.local_batch_size: {local_batch_size} is not a multiple of "
+            f"pipeline_parallel_microbatch_size {mb}; use a multiple of {mb}")
+    n_mb = local_batch_size // mb
+    need = {"1F1B": pp, "Interleaved1F1B": pp, "InterleavedZeroBubble": pp, "ZBVZeroBubble": pp,
+            "DualPipeV": stages}.get(name, 1)
+    if n_mb < need:
+        raise ConfigError(
+            f"config error: parallelism.pipeline_parallel_microbatch_size: local_batch_size({local_batch_size}) / "
+            f"microbatch_size({mb}) = {n_mb} microbatches, but {name} with {stages} stages on {pp} ranks needs at "
+            f"least {need}; raise training.local_batch_size to {need * mb} or lower the microbatch size")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_mb // pp)
+        if n_mb % rounds != 0:
+            raise ConfigError(
+                f"config error: parallelism.pipeline_parallel_microbatch_size: {name} needs the microbatch count "
+                f"({n_mb}) to be a multiple of microbatches // pp_degree = {rounds}; use a multiple of {pp} "
+                "microbatches")
+
 
 # Mesh dimension order, outermost first. PP is outermost so that stages talk
 # across nodes rarely; TP is innermost so that it stays inside a node.
@@ -65,8 +162,8 @@ class ParallelDims:
                 f"tp({tp}) x pp({pp}) = {product}, but the world size is {world_size}; make the product "
                 f"{world_size} (e.g. set parallelism.data_parallel_shard_degree = -1)")
         if cp != 1:
-            raise ConfigError("config error: parallelism.context_parallel_degree: context parallelism is not "
-                              "implemented yet; set it to 1")
+            raise ConfigError(f"config error: parallelism.context_parallel_degree: {cp} is not supported yet "
+                              "(context parallelism is not implemented); set it to 1")
         if ep > 1 and (dp_shard * tp) % ep != 0:
             raise ConfigError(
                 f"config error: parallelism.expert_parallel_degree: {ep} must divide dp_shard({dp_shard}) x "
@@ -83,26 +180,7 @@ class ParallelDims:
 
     def validate_model(self, model_args, seq_len: int, sequence_parallel: bool) -> None:
         """Layout checks that need the model's shape."""
-        from trainer.configurable import ConfigError
-
-        n_heads = getattr(model_args, "n_heads", None)
-        n_kv = getattr(model_args, "n_kv_heads", None) or n_heads
-        if self.tp > 1 and n_heads is not None:
-            for name, count in (("heads", n_heads), ("KV heads", n_kv)):
-                if count % self.tp != 0:
-                    raise ConfigError(
-                        f"config error: parallelism.tensor_parallel_degree: {self.tp} does not divide the model's "
-                        f"{count} {name}; use a TP degree that divides {count}")
-            if sequence_parallel and seq_len % self.tp != 0:
-                raise ConfigError(
-                    f"config error: training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
-                    f"{self.tp} with sequence parallel on; use a multiple of {self.tp} or "
-                    "--parallelism.enable_sequence_parallel false")
-        n_layers = getattr(model_args, "n_layers", None)
-        if self.pp > 1 and n_layers is not None and self.pp > n_layers:
-            raise ConfigError(
-                f"config error: parallelism.pipeline_parallel_degree: {self.pp} stages exceed the model's "
-                f"{n_layers} layers; use at most {n_layers}")
+        check_model_layout(model_args, tp=self.tp, pp=self.pp, seq_len=seq_len, sequence_parallel=sequence_parallel)
 
     @property
     def dp_degree(self) -> int:

@@ -198,10 +198,11 @@ class Trainer:
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss scaled by 1 / global valid tokens (set per step)."""
         if self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
+            # Logits are vocab-sharded DTensors; the helper also runs the loss's backward
+            # under loss_parallel, wherever that backward is called (here or in a PP schedule).
+            from parallelisms.tensor_parallel import loss_parallel_loss
 
-            with loss_parallel():
-                return cross_entropy_sum(logits, labels) / self._global_tokens
+            return loss_parallel_loss(cross_entropy_sum, logits, labels) / self._global_tokens
         return cross_entropy_sum(logits, labels) / self._global_tokens
 
     # ---- one optimizer step ----

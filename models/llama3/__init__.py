@@ -2,6 +2,7 @@
 
 from models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from models.llama3.model import Llama3
+from models.llama3.parallelize import parallelize_llama
 from models.spec import ModelSpec
 
 
@@ -12,6 +13,7 @@ def summarize(model, args: Llama3Args, seq_len: int) -> dict[str, float]:
     return {"params": params, "flops_per_token": args.flops_per_token(seq_len, params, embedding)}
 
 
-spec = ModelSpec(name="llama3", flavors=LLAMA3_FLAVORS, model_cls=Llama3, summary_fn=summarize)
+spec = ModelSpec(name="llama3", flavors=LLAMA3_FLAVORS, model_cls=Llama3, summary_fn=summarize,
+                 tensor_parallel_fn=parallelize_llama)
 
 __all__ = ["spec", "Llama3", "Llama3Args", "LLAMA3_FLAVORS"]

@@ -1,0 +1,172 @@
+"""Tensor parallel (TP) building blocks: sequence parallel (SP), stage boundaries, loss parallel.
+
+A model's TP plan lives next to the model (e.g. `models/llama3/parallelize.py`) and is
+a dict `{module name: ParallelStyle}` applied with `parallelize_module`. The pieces
+shared by every decoder-only transformer are here:
+
+- `embedding_style`, `head_style`, `norm_style`, `block_input_style`: the layouts at
+  the edges of the residual stream. With SP the residual stream between blocks is a
+  DTensor sharded on the sequence (Shard(1)); it stays a DTensor so that the model's
+  own `h.shape[1]` (used to slice the RoPE table) is the full sequence length.
+- Pipeline stage boundaries: a stage without the embedding receives a plain, full
+  (replicated) hidden state from the previous stage, and a stage without the output
+  head sends one. So its first block takes `Replicate` input and its last block
+  gathers its output (`stage_output_style`). This costs one all-gather over TP per
+  stage boundary, and keeps the pipeline's P2P free of DTensors.
+- `loss_parallel_loss`: cross entropy on vocab-sharded logits with
+  `torch.distributed.tensor.parallel.loss_parallel`, with the backward of the loss
+  also run inside that context (a requirement of loss_parallel) without the caller
+  having to wrap its `backward()` call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+    "parallelize_module", "embedding_style", "head_style", "norm_style", "block_input_style",
+    "stage_output_style", "module_input_style", "loss_parallel_loss", "apply_plan",
+]
+
+
+# ---- styles at the edges of the residual stream ----
+def embedding_style(sequence_parallel: bool):
+    """Vocab-sharded embedding (each rank looks up its rows); output sequence-sharded under SP."""
+    if sequence_parallel:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+
+
+def head_style(sequence_parallel: bool, loss_parallel_on: bool):
+    """Vocab-sharded output projection. With loss parallel the logits stay a DTensor
+    sharded on the vocab (Shard(-1)); without it they are gathered (Replicate)."""
+    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                           output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+                           use_local_output=not loss_parallel_on)
+
+
+def norm_style():
+    """A norm on the sequence-sharded residual stream (SP); its weight is replicated."""
+    return SequenceParallel()
+
+
+def module_input_style(n_extra_args: int = 0):
+    """Gathers the sequence-sharded input of an attention / MLP module (SP); extra
+    positional args (e.g. the RoPE table) pass through untouched."""
+    extra = (None,) * n_extra_args
+    return PrepareModuleInput(input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra),
+                              use_local_output=True)
+
+
+def block_input_style(n_extra_args: int, *, first_on_stage_without_embedding: bool, gather_output: bool):
+    """The input (and, at a stage end, output) of one transformer block under SP.
+
+    The residual input becomes a Shard(1) DTensor; a plain tensor is taken as already
+    sequence-sharded, except on the first block of a pipeline stage without the
+    embedding, whose input is the full hidden state received from the previous stage.
+    `gather_output` (last block of a stage without the head) turns the output back into
+    a plain, full tensor for the pipeline to send.
+    """
+    extra = (None,) * n_extra_args
+    inputs = (Replicate() if first_on_stage_without_embedding else Shard(1), *extra)
+    desired = (Shard(1), *extra)
+    if gather_output:
+        return PrepareModuleInputOutput(input_layouts=inputs, desired_input_layouts=desired, use_local_input=False,
+                                        output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                        use_local_output=True)
+    return PrepareModuleInput(input_layouts=inputs, desired_input_layouts=desired, use_local_output=False)
+
+
+def stage_output_style():
+    """Gathers a sequence-sharded stage output into a plain full tensor."""
+    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
+
+
+def apply_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
+    parallelize_module(module, tp_mesh, plan)
+
+
+# ---- loss parallel ----
+class _LossParallelRefCount:
+    """Keeps `loss_parallel()` entered while any forward or backward of a parallel loss
+    runs. Its handlers are process-global, so a count (not nesting) is what matters."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+        self._cm = None
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count == 1:
+                self._cm = loss_parallel()
+                self._cm.__enter__()
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                return
+            self._count -= 1
+            if self._count == 0:
+                cm, self._cm = self._cm, None
+                cm.__exit__(None, None, None)
+
+    @property
+    def active(self) -> int:
+        return self._count
+
+
+_LP = _LossParallelRefCount()
+
+
+def loss_parallel_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+                       labels: torch.Tensor) -> torch.Tensor:
+    """`fn(logits, labels)` (e.g. a summed cross entropy) on vocab-sharded DTensor logits.
+
+    Returns a plain scalar tensor. loss_parallel must be active in the backward too:
+    a hook on the returned loss enters it when backward reaches the loss, and a hook
+    on the logits leaves it once their gradient is computed, so callers (the trainer's
+    `loss.backward()`, the pipeline schedules) need no context of their own.
+    """
+    _LP.enter()
+    try:
+        loss = fn(logits, labels)
+    finally:
+        _LP.leave()
+    if isinstance(loss, DTensor):
+        loss = loss.to_local()  # Replicate over TP: the local value is the full loss
+    if loss.requires_grad and logits.requires_grad:
+        pending = {"open": False}
+
+        def _enter(grad):
+            if not pending["open"]:
+                pending["open"] = True
+                _LP.enter()
+            return grad
+
+        def _leave(grad):
+            if pending["open"]:
+                pending["open"] = False
+                _LP.leave()
+            return grad
+
+        loss.register_hook(_enter)
+        logits.register_hook(_leave)
+    return loss
