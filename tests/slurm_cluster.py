@@ -45,6 +45,10 @@ class ClusterUnavailable(RuntimeError):
     """The cluster cannot be had on this machine (not root, no apt, ...): tests skip."""
 
 
+class ClusterError(RuntimeError):
+    """The packages are there but the cluster did not come up: tests fail."""
+
+
 def _log(msg: str) -> None:
     print(f"[slurm_cluster] {msg}", file=sys.stderr, flush=True)
 
@@ -240,7 +244,7 @@ class LocalSlurmCluster:
             if _munge_works():
                 return
             time.sleep(0.1)
-        raise ClusterUnavailable("munged started but munge -n | unmunge fails")
+        raise ClusterError("munged started but munge -n | unmunge fails")
 
     def _write_conf(self) -> None:
         self.ctld_port = free_port()
@@ -263,6 +267,8 @@ SlurmctldPort={self.ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
@@ -277,6 +283,8 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
+# run the main scheduling loop every 2 s (default 60 s): a requeued job starts once eligible, not a minute later
+SchedulerParameters=sched_interval=2
 MpiDefault=none
 SwitchType=switch/none
 ReturnToService=2
@@ -311,9 +319,9 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 break
             time.sleep(0.2)
         else:
-            raise ClusterUnavailable(f"slurmctld not up; see {self.log_dir}")
+            raise ClusterError(f"slurmctld not up; see {self.log_dir}")
         if not _pid_alive(*self.started["slurmctld"]):
-            raise ClusterUnavailable(f"slurmctld died: {self._tail('slurmctld.out')}{self._tail('slurmctld.log')}")
+            raise ClusterError(f"slurmctld died: {self._tail('slurmctld.out')}{self._tail('slurmctld.log')}")
         for n in self.nodes:
             self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)], "slurmd")
 
@@ -343,12 +351,12 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 return
             for name, (pid, comm) in self.started.items():
                 if comm in ("slurmd", "slurmctld") and not _pid_alive(pid, comm):
-                    raise ClusterUnavailable(f"{name} died: {self._tail(name + '.out')}")
+                    raise ClusterError(f"{name} died: {self._tail(name + '.out')}")
             if not resumed and time.time() - t0 > 5:
                 self.cmd("scontrol", "update", f"NodeName={','.join(self.nodes)}", "State=RESUME", check=False)
                 resumed = True
             time.sleep(0.2)
-        raise ClusterUnavailable(f"nodes not idle after {timeout}s: {states}; see {self.log_dir}")
+        raise ClusterError(f"nodes not idle after {timeout}s: {states}; see {self.log_dir}")
 
     def _tail(self, name: str, n: int = 2000) -> str:
         try:
