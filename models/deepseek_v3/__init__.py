@@ -5,6 +5,7 @@ import torch
 from models.common.moe import MoE, MoEArgs, moe_aux_loss, update_moe_load_balance_bias
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from models.deepseek_v3.model import DeepSeekV3, count_params, interleaved_to_half_perm
+from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.spec import ModelSpec
 
 
@@ -46,6 +47,7 @@ spec = ModelSpec(
     sac_force_recompute_fqns=("*router.gate*",),
     post_optimizer_step_fn=post_optimizer_step,
     summary_fn=summarize,
+    state_dict_adapter=DeepSeekV3StateDictAdapter,
 )
 
 __all__ = [

@@ -2,6 +2,7 @@
 
 from models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from models.llama3.model import Llama3
+from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.llama3.parallelize import parallelize_llama
 from models.spec import ModelSpec
 
@@ -14,6 +15,6 @@ def summarize(model, args: Llama3Args, seq_len: int) -> dict[str, float]:
 
 
 spec = ModelSpec(name="llama3", flavors=LLAMA3_FLAVORS, model_cls=Llama3, summary_fn=summarize,
-                 tensor_parallel_fn=parallelize_llama)
+                 tensor_parallel_fn=parallelize_llama, state_dict_adapter=Llama3StateDictAdapter)
 
 __all__ = ["spec", "Llama3", "Llama3Args", "LLAMA3_FLAVORS"]

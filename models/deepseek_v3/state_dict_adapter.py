@@ -1,0 +1,267 @@
+"""DeepSeek V3 <-> Hugging Face `DeepseekV3ForCausalLM`: names, layouts and config.
+
+Names (i = layer, e = routed expert):
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
+    layers.{i}.ffn_norm.weight            model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.attention.wq               ...self_attn.q_proj            (no q LoRA; rope rows permuted)
+    layers.{i}.attention.wq_a / q_norm    ...self_attn.q_a_proj / q_a_layernorm
+    layers.{i}.attention.wq_b             ...self_attn.q_b_proj          (rope rows permuted)
+    layers.{i}.attention.wkv_a            ...self_attn.kv_a_proj_with_mqa (rope rows permuted)
+    layers.{i}.attention.kv_norm / wkv_b  ...self_attn.kv_a_layernorm / kv_b_proj
+    layers.{i}.attention.wo               ...self_attn.o_proj
+    layers.{i}.feed_forward.{w1,w2,w3}    ...mlp.{gate,down,up}_proj       (dense first layers)
+    layers.{i}.moe.router.gate.weight     ...mlp.gate.weight
+    layers.{i}.moe.expert_bias            ...mlp.gate.e_score_correction_bias
+    layers.{i}.moe.experts.w1[e]          ...mlp.experts.{e}.gate_proj.weight, transposed
+    layers.{i}.moe.experts.w3[e]          ...mlp.experts.{e}.up_proj.weight, transposed
+    layers.{i}.moe.experts.w2[e]          ...mlp.experts.{e}.down_proj.weight, transposed
+    layers.{i}.moe.shared_experts.{w1,w2,w3}  ...mlp.shared_experts.{gate,down,up}_proj
+    norm.weight / output.weight           model.norm.weight / lm_head.weight
+
+RoPE: DeepSeek's checkpoints (HF `rope_interleave: true`, the default) pair rope
+channels (2i, 2i+1); our MLA pairs (i, i + d/2) (rotate-half). Rows of q_proj /
+q_b_proj (the last `qk_rope_head_dim` rows of every head) and of kv_a_proj_with_mqa
+(its last `qk_rope_head_dim` rows) are permuted on import and back on export.
+HF's DeepSeek RoPE maps an interleaved pair (2i, 2i+1) to output channels (i, i+d/2),
+so after the permutation both models compute the same q.k products.
+
+Not representable (one-line error): softmax routing, rope types other than
+default/yarn, YaRN settings that scale cos/sin (mscale != mscale_all_dim), FP8
+checkpoints (quantization_config). MTP layers (`num_nextn_predict_layers`) are
+skipped on import. Note: HF hard-codes eps=1e-6 for q_a_layernorm / kv_a_layernorm
+while our q_norm / kv_norm use norm_eps; they agree for every published config.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
+from models.deepseek_v3.model import DeepSeekV3
+from models.hf_config import (
+    HFConfigError,
+    HFStateDictAdapter,
+    Recipe,
+    RowPermuted,
+    Same,
+    StackedTransposed,
+    check_known_fields,
+    dtype_name,
+    half_rope_rows_perm,
+    layer_index,
+    parse_rope,
+    require,
+)
+
+_LAYER_RENAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+_EXPERT_RENAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_TOP_RENAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_KNOWN_FIELDS = {
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim", "head_dim",
+    "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "hidden_act",
+    "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave",
+    "attention_bias", "attention_dropout", "tie_word_embeddings", "num_nextn_predict_layers", "num_mtp_layers",
+    "scoring_func", "topk_method", "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "auto_map",
+}
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
+    model_type = "deepseek_v3"
+    architecture = "DeepseekV3ForCausalLM"
+    model_cls = DeepSeekV3
+    # Exported in fp32 whatever the export dtype (HF keeps the routing bias in fp32 too).
+    fp32_hf_suffixes = ("mlp.gate.e_score_correction_bias",)
+
+    def __init__(self, args: DeepSeekV3Args, hf_cfg: dict[str, Any] | None = None):
+        super().__init__(args, hf_cfg)
+        cfg = hf_cfg or {}
+        # Our exports are written interleaved (DeepSeek's own layout), like the published checkpoints.
+        self.interleaved = bool(cfg.get("rope_interleave", True))
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.n_mtp = int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0)
+
+    # ---- names ----
+    def _rope_rows(self, hf_key: str, n_rows: int, groups) -> Recipe:
+        if not self.interleaved:
+            return Same(hf_key)
+        return RowPermuted(hf_key, half_rope_rows_perm(n_rows, groups))
+
+    def recipe_for(self, key: str) -> Recipe:
+        a: DeepSeekV3Args = self.args
+        if key == "output.weight" and self.tied:
+            return Same("model.embed_tokens.weight")
+        if key in _TOP_RENAMES:
+            return Same(_TOP_RENAMES[key])
+        m = re.match(r"^layers\.(\d+)\.(.+)$", key)
+        if m is None:
+            raise HFConfigError(f"hf error: deepseek_v3: no HF name for native key {key!r}")
+        i, rest = m.group(1), m.group(2)
+        prefix = f"model.layers.{i}."
+        if rest in _LAYER_RENAMES:
+            return Same(prefix + _LAYER_RENAMES[rest])
+        if rest in ("attention.wq.weight", "attention.wq_b.weight"):
+            name = "q_proj" if rest == "attention.wq.weight" else "q_b_proj"
+            qk = a.qk_head_dim
+            groups = [(h * qk + a.qk_nope_head_dim, a.qk_rope_head_dim) for h in range(a.n_heads)]
+            return self._rope_rows(f"{prefix}self_attn.{name}.weight", a.n_heads * qk, groups)
+        if rest == "attention.wkv_a.weight":
+            return self._rope_rows(f"{prefix}self_attn.kv_a_proj_with_mqa.weight",
+                                   a.kv_lora_rank + a.qk_rope_head_dim, [(a.kv_lora_rank, a.qk_rope_head_dim)])
+        em = re.match(r"^moe\.experts\.(w[123])$", rest)
+        if em:
+            proj = _EXPERT_RENAMES[em.group(1)]
+            return StackedTransposed([f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(a.n_routed_experts)])
+        raise HFConfigError(f"hf error: deepseek_v3: no HF name for native key {key!r}")
+
+    def is_ignored_hf_key(self, key: str) -> bool:
+        if super().is_ignored_hf_key(key) or (self.tied and key == "lm_head.weight"):
+            return True
+        i = layer_index(key)
+        if i is not None and self.n_mtp and i >= self.args.n_layers:
+            return True  # multi-token-prediction modules: not part of this model
+        return self.args.n_shared_experts == 0 and ".mlp.shared_experts." in key
+
+    # ---- config ----
+    @classmethod
+    def args_from_hf(cls, cfg: dict[str, Any]) -> DeepSeekV3Args:
+        where = "deepseek_v3 config.json"
+        require(cfg.get("model_type", "deepseek_v3") == "deepseek_v3",
+                f"{where}: model_type {cfg.get('model_type')!r} is not 'deepseek_v3'")
+        if cfg.get("quantization_config"):
+            raise HFConfigError(f"hf error: {where}: quantized checkpoints ({cfg['quantization_config'].get('quant_method', '?')}) "
+                                "are not supported; dequantize to bf16 first")
+        check_known_fields(cfg, _KNOWN_FIELDS, where)
+        require(cfg.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {cfg.get('hidden_act')!r} != 'silu'")
+        require(not cfg.get("attention_bias", False), f"{where}: attention_bias=true is not supported")
+        require(not cfg.get("attention_dropout", 0.0), f"{where}: attention_dropout must be 0")
+        require(cfg.get("scoring_func", "sigmoid") == "sigmoid",
+                f"{where}: scoring_func {cfg.get('scoring_func')!r} is not supported (HF DeepseekV3 routes with sigmoid)")
+        require(cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+                f"{where}: topk_method {cfg.get('topk_method')!r} is not supported (only noaux_tc)")
+        require(cfg.get("moe_layer_freq", 1) == 1, f"{where}: moe_layer_freq {cfg.get('moe_layer_freq')} != 1")
+        nope, rope_dim = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+        require(cfg.get("qk_head_dim") in (None, nope + rope_dim),
+                f"{where}: qk_head_dim {cfg.get('qk_head_dim')} != qk_nope_head_dim + qk_rope_head_dim")
+
+        rope = parse_rope(cfg, ("default", "yarn"), 10000.0, where)
+        factor, original, beta_fast, beta_slow, mscale = 1.0, 4096, 32.0, 1.0, 1.0
+        if rope["rope_type"] == "yarn":
+            original = int(rope["original_max_position_embeddings"])
+            factor = rope.get("factor")
+            factor = float(cfg["max_position_embeddings"] / original if factor is None else factor)
+            require(factor >= 1.0, f"{where}: yarn factor {factor} < 1 is not supported")
+            require(rope.get("truncate", True), f"{where}: yarn truncate=false is not supported")
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            cos_sin_scale = rope.get("attention_factor")
+            if cos_sin_scale is None:
+                cos_sin_scale = _mscale(factor, m) / _mscale(factor, m_all) if (m and m_all) else _mscale(factor)
+            require(abs(cos_sin_scale - 1.0) < 1e-9,
+                    f"{where}: yarn scales cos/sin by {cos_sin_scale:.6g} (mscale {m} vs mscale_all_dim {m_all}); "
+                    "only mscale == mscale_all_dim is supported")
+            # HF scales the softmax by mscale(factor, mscale_all_dim)^2; ours by mscale(factor, mscale)^2.
+            mscale = float(m_all or 0.0)
+            beta_fast, beta_slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+        q_lora = cfg.get("q_lora_rank")
+        n_group = int(cfg.get("n_group") or 1)
+        args = DeepSeekV3Args(
+            vocab_size=int(cfg["vocab_size"]), dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            inter_dim=int(cfg["intermediate_size"]), n_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            moe_inter_dim=int(cfg["moe_intermediate_size"]), n_routed_experts=int(cfg["n_routed_experts"]),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            n_activated_experts=int(cfg["num_experts_per_tok"]), n_expert_groups=n_group,
+            n_limited_groups=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
+            score_func="sigmoid", route_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+            route_norm=bool(cfg.get("norm_topk_prob", True)),
+            n_heads=int(cfg["num_attention_heads"]), q_lora_rank=int(q_lora or 0),
+            kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+            v_head_dim=int(cfg.get("v_head_dim", 128)), rope_theta=float(rope["rope_theta"]), rope_factor=factor,
+            original_seq_len=original, beta_fast=beta_fast, beta_slow=beta_slow, mscale=mscale,
+        )
+        for flavor in DEEPSEEK_V3_FLAVORS.values():
+            if cls.signature(flavor) == cls.signature(args):
+                import dataclasses
+
+                return dataclasses.replace(flavor, max_seq_len=args.max_seq_len)
+        return args
+
+    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        a: DeepSeekV3Args = self.args
+        if a.score_func != "sigmoid":
+            raise HFConfigError("hf error: deepseek_v3: HF DeepseekV3 routes with sigmoid; a softmax-routed model "
+                                f"(score_func={a.score_func!r}) cannot be exported to it")
+        rope_scaling = None
+        if a.yarn_enabled:
+            rope_scaling = {"rope_type": "yarn", "factor": a.rope_factor,
+                            "original_max_position_embeddings": a.original_seq_len, "beta_fast": a.beta_fast,
+                            "beta_slow": a.beta_slow, "mscale": a.mscale, "mscale_all_dim": a.mscale}
+        route_norm = a.score_func == "sigmoid" if a.route_norm is None else a.route_norm
+        return {
+            "architectures": [self.architecture], "model_type": self.model_type,
+            "vocab_size": a.vocab_size, "hidden_size": a.dim, "intermediate_size": a.inter_dim,
+            "moe_intermediate_size": a.moe_inter_dim, "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_heads,
+            "n_shared_experts": a.n_shared_experts, "n_routed_experts": a.n_routed_experts,
+            "routed_scaling_factor": a.route_scale, "kv_lora_rank": a.kv_lora_rank,
+            "q_lora_rank": a.q_lora_rank or None, "qk_rope_head_dim": a.qk_rope_head_dim,
+            "qk_nope_head_dim": a.qk_nope_head_dim, "v_head_dim": a.v_head_dim,
+            "n_group": a.n_expert_groups, "topk_group": a.n_limited_groups,
+            "num_experts_per_tok": a.n_activated_experts, "first_k_dense_replace": a.n_dense_layers,
+            "norm_topk_prob": route_norm, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "hidden_act": "silu", "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta, "rope_scaling": rope_scaling, "rope_interleave": True,
+            "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+            "num_nextn_predict_layers": 0, "initializer_range": 0.02, "use_cache": True,
+            "torch_dtype": dtype_name(dtype),
+        }
+
+    @staticmethod
+    def signature(a: DeepSeekV3Args) -> dict[str, Any]:
+        yarn = a.rope_factor > 1.0
+        return {
+            "vocab_size": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers, "norm_eps": a.norm_eps,
+            "inter_dim": a.inter_dim, "n_dense_layers": a.n_dense_layers, "moe_inter_dim": a.moe_inter_dim,
+            "n_routed_experts": a.n_routed_experts, "n_shared_experts": a.n_shared_experts,
+            "n_activated_experts": a.n_activated_experts, "n_expert_groups": a.n_expert_groups,
+            "n_limited_groups": a.n_limited_groups if a.n_expert_groups > 1 else 1, "score_func": a.score_func,
+            "route_scale": a.route_scale,
+            "route_norm": a.score_func == "sigmoid" if a.route_norm is None else a.route_norm,
+            "n_heads": a.n_heads, "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
+            "v_head_dim": a.v_head_dim, "rope_theta": a.rope_theta, "rope_factor": a.rope_factor if yarn else 1.0,
+            "original_seq_len": a.original_seq_len if yarn else None, "beta_fast": a.beta_fast if yarn else None,
+            "beta_slow": a.beta_slow if yarn else None, "mscale": a.mscale if yarn else None,
+        }
