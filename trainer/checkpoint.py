@@ -134,6 +134,8 @@ class Checkpointer:
     def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
         if not self.cfg.enable:
             return
+        if last_step and self.cfg.last_save_in_hf:
+            self.save_hf(step)
         if last_step and self.cfg.last_save_model_only:
             return self.save_model_only(step)
         self.wait()
@@ -210,6 +212,8 @@ class Checkpointer:
         if path is None:
             if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
                 self.load_model_only(Path(self.cfg.initial_load_path))
+            elif self.cfg.initial_load_path:
+                self.load_hf(Path(self.cfg.initial_load_path))
             return 0
         try:
             keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -257,6 +261,24 @@ class Checkpointer:
                                   f"{str(e).splitlines()[0][:200]})") from None
         for part in self.model_parts:
             set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+
+    # ---- Hugging Face (trainer/hf_io.py) ----
+    def load_hf(self, path: Path) -> None:
+        """Loads an HF safetensors folder (initial_load_in_hf); each rank reads only its shards."""
+        from models.hf_config import HFConfigError
+        from trainer.hf_io import load_hf_into_model
+
+        try:
+            load_hf_into_model(self.model_parts, path)
+        except HFConfigError as e:
+            raise CheckpointError("checkpoint error: checkpoint.initial_load_path: " + str(e).removeprefix("hf error: ")) from None
+
+    def save_hf(self, step: int) -> None:
+        """Exports the weights as an HF folder <folder>/step-N-hf in export_dtype (last_save_in_hf)."""
+        from trainer.hf_io import DTYPES, save_hf
+
+        self.wait()
+        save_hf(self.model_parts, self.folder / f"step-{step}-hf", dtype=DTYPES[self.cfg.export_dtype])
 
     def close(self) -> None:
         self.wait()
