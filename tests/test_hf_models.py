@@ -1,0 +1,413 @@
+"""HF interop, one process: small random transformers models -> our models -> back.
+
+Every case builds a random HF model locally (no hub), with weights chosen so that
+RoPE and routing matter (q/k weights large enough for peaked attention, non-unit
+norm gains, random routing biases, one expert that never receives a token), saves
+it with `save_pretrained`, loads it into our model and compares logits in fp32;
+then exports ours with `save_hf` and reloads that with transformers.
+
+Builders here are also used by tests/test_hf_parallel.py and tests/test_hf_scripts.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from models.hf_config import HFConfigError  # noqa: E402
+from trainer.hf_io import (  # noqa: E402
+    HFReader,
+    args_from_hf_folder,
+    load_hf_into_model,
+    load_hf_state_dict,
+    save_hf,
+    save_hf_state_dict,
+)
+
+TOL = 1e-4
+# Measured max |diff| per case, printed by `pytest -s` (and kept for the report).
+MEASURED: dict[str, float] = {}
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _make_weights_matter(model, qk_names: tuple[str, ...], seed: int) -> None:
+    """Re-initialises an HF model so that a wrong layout cannot hide: unit-variance
+    embeddings, 1/sqrt(fan_in) linears (2x for q/k producers: attention logits of
+    std ~4, so RoPE decides where a token looks), norm gains 1 +- 0.3, random routing
+    biases with expert 3 pushed out of every top-k."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif p.ndim >= 2:
+                gain = 2.0 if any(q in name for q in qk_names) else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+                b[3] = -100.0
+
+
+def _legacy_rope(folder: Path) -> None:
+    """Rewrites config.json with the legacy RoPE spelling (rope_theta + rope_scaling)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type", "default")
+    cfg["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True, tied: bool = False,
+                   legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:  # original context 16: the llama3 scaling touches most frequencies at these lengths
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2 if gqa else 4, rms_norm_eps=1e-5,
+                      max_position_embeddings=256, rope_parameters=rope, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    _make_weights_matter(model, ("q_proj", "k_proj"), seed)
+    if tied:
+        model.tie_weights()
+    model.save_pretrained(folder)
+    if legacy:
+        _legacy_rope(folder)
+    return folder
+
+
+def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, legacy: bool = False,
+                      vocab: int = 256, seed: int = 0) -> Path:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+    cfg = DeepseekV3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48 if q_lora else None, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+        # with q LoRA: grouped sigmoid routing, normalised, scaled; without: 1 group, raw weights, 2 shared experts
+        n_group=4 if q_lora else 1, topk_group=2 if q_lora else 1, norm_topk_prob=q_lora,
+        routed_scaling_factor=2.5 if q_lora else 1.0, n_shared_experts=1 if q_lora else 2,
+        rope_parameters=rope, num_nextn_predict_layers=0)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    _make_weights_matter(model, ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"), seed)
+    model.save_pretrained(folder)
+    if legacy:
+        _legacy_rope(folder)
+    return folder
+
+
+CASES = {
+    "llama_gqa_llama3rope": lambda d: build_hf_llama(d, gqa=True, rope_scaling=True),
+    "llama_mha_tied_legacycfg": lambda d: build_hf_llama(d, gqa=False, rope_scaling=False, tied=True, legacy=True),
+    "deepseek_qlora_yarn": lambda d: build_hf_deepseek(d, q_lora=True, yarn=True),
+    "deepseek_noqlora_legacycfg": lambda d: build_hf_deepseek(d, q_lora=False, yarn=True, legacy=True),
+}
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_model_from_hf(folder: Path):
+    spec, args = args_from_hf_folder(folder)
+    model = spec.model_cls(args)
+    model.init_weights()
+    load_hf_into_model([model], folder)
+    return model.eval()
+
+
+def tokens_for(vocab: int, seed: int = 1, shape=(2, 48)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build(root / name) for name, build in CASES.items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_export_logits_parity(case, hf_dirs, tmp_path):
+    src = hf_dirs[case]
+    tokens = tokens_for(256)
+    ref = hf_logits(src, tokens)
+    model = our_model_from_hf(src)
+    with torch.no_grad():
+        ours = model(tokens)
+    import_diff = (ours - ref).abs().max().item()
+    assert ref.std() > 0.5, "logits too flat to test anything"
+
+    if case.startswith("deepseek"):  # routing matters: some expert gets nothing, others do
+        counts = torch.stack([b for n, b in model.named_buffers() if n.endswith("tokens_per_expert")])
+        assert (counts == 0).any() and (counts > 0).sum() > counts.shape[0] * 2
+
+    out = tmp_path / "export"
+    save_hf([model], out, dtype=torch.float32)
+    back = hf_logits(out, tokens)
+    export_diff = (back - ref).abs().max().item()
+    MEASURED[case] = max(import_diff, export_diff)
+    print(f"\n{case}: import max|diff| {import_diff:.3g}, export->transformers max|diff| {export_diff:.3g}")
+    assert import_diff < TOL
+    assert export_diff < TOL
+
+    # Export is the exact inverse of import: same tensors as the original HF checkpoint
+    # (a tied lm_head is written out explicitly).
+    orig, new = HFReader(src), HFReader(out)
+    for k in orig.keys():
+        assert torch.equal(orig.full(k), new.full(k)), k
+    assert set(new.keys()) - set(orig.keys()) <= {"lm_head.weight"}
+
+
+@pytest.mark.timeout(120)
+def test_rope_layout_is_checked(hf_dirs):
+    """Negative controls: the wrong RoPE layout must move the logits far beyond TOL."""
+    from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+    from models.hf_config import half_rope_rows_perm
+
+    tokens = tokens_for(256)
+    # DeepSeek: skipping the interleaved -> rotate-half permutation.
+    src = hf_dirs["deepseek_qlora_yarn"]
+    ref = hf_logits(src, tokens)
+    spec, args, _ = load_hf_state_dict(src)
+    cfg = json.loads((src / "config.json").read_text())
+    wrong = DeepSeekV3StateDictAdapter(args, {**cfg, "rope_interleave": False})
+    reader = HFReader(src)
+    sd = wrong.from_hf({k: reader.full(k) for k in reader.keys()})
+    model = spec.model_cls(args)
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        assert (model.eval()(tokens) - ref).abs().max() > 100 * TOL
+
+    # Llama: q/k in Meta's interleaved layout instead of HF's rotate-half one.
+    src = hf_dirs["llama_gqa_llama3rope"]
+    ref = hf_logits(src, tokens)
+    spec, args, sd = load_hf_state_dict(src)
+    for i in range(args.n_layers):
+        for name, heads in (("wq", args.n_heads), ("wk", args.kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            perm = half_rope_rows_perm(heads * args.head_dim, [(h * args.head_dim, args.head_dim) for h in range(heads)])
+            sd[key] = sd[key][perm]
+    model = spec.model_cls(args)
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        assert (model.eval()(tokens) - ref).abs().max() > 100 * TOL
+
+
+@pytest.mark.timeout(120)
+def test_export_bf16_and_sharded(hf_dirs, tmp_path):
+    """export_dtype=bfloat16 writes bf16 (routing bias stays fp32); small shards give an index."""
+    from transformers import AutoModelForCausalLM
+
+    src = hf_dirs["deepseek_qlora_yarn"]
+    model = our_model_from_hf(src)
+    out = tmp_path / "bf16"
+    save_hf([model], out, dtype=torch.bfloat16, max_shard_bytes=64 << 10)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and all((out / f).is_file() for f in files)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["model_type"] == "deepseek_v3"
+    reader = HFReader(out)
+    for k in reader.keys():
+        want = torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16
+        assert reader.full(k).dtype == want, k
+
+    # transformers reads it; its logits equal the fp32 model with bf16-rounded weights.
+    tokens = tokens_for(256)
+    ref_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        ref = ref_model(tokens).logits
+    back = hf_logits(out, tokens)
+    assert (back - ref).abs().max().item() < TOL
+    # And our sharded reader loads it back into our model.
+    model2 = our_model_from_hf(out)
+    with torch.no_grad():
+        assert (model2(tokens) - ref).abs().max().item() < TOL
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def _llama_cfg(**over):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 256}
+    cfg.update(over)
+    return cfg
+
+
+def _ds_cfg(**over):
+    cfg = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+           "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24, "n_group": 4, "topk_group": 2,
+           "routed_scaling_factor": 2.5, "n_shared_experts": 1, "max_position_embeddings": 256}
+    cfg.update(over)
+    return cfg
+
+
+def test_config_current_and_legacy_rope_agree():
+    from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter as DS
+    from models.llama3.state_dict_adapter import Llama3StateDictAdapter as L
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cur = L.args_from_hf(_llama_cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **llama3}))
+    old = L.args_from_hf(_llama_cfg(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **llama3}))
+    older = L.args_from_hf(_llama_cfg(rope_theta=5e5, rope_scaling={"type": "llama3", **llama3}))
+    assert cur == old == older and cur.rope_scaling.factor == 8.0 and cur.rope_theta == 5e5
+
+    yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    cur = DS.args_from_hf(_ds_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, **yarn}))
+    old = DS.args_from_hf(_ds_cfg(rope_theta=1e4, rope_scaling={"type": "yarn", **yarn}))
+    assert cur == old and cur.rope_factor == 40.0 and cur.original_seq_len == 4096 and cur.mscale == 1.0
+    plain = DS.args_from_hf(_ds_cfg(rope_theta=1e4, q_lora_rank=None))
+    assert plain.rope_factor == 1.0 and plain.q_lora_rank == 0
+
+
+@pytest.mark.parametrize("adapter,cfg,needle", [
+    ("llama", _llama_cfg(sliding_window=128), "sliding_window"),
+    ("llama", _llama_cfg(rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
+    ("llama", _llama_cfg(rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                       "bogus": 1}), "bogus"),
+    ("llama", _llama_cfg(hidden_act="gelu"), "hidden_act"),
+    ("llama", _llama_cfg(head_dim=32), "head_dim"),
+    ("deepseek", _ds_cfg(scoring_func="softmax"), "scoring_func"),
+    ("deepseek", _ds_cfg(rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                       "mscale": 0.707, "mscale_all_dim": 1.0}), "mscale"),
+    ("deepseek", _ds_cfg(rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}),
+     "cos/sin"),
+    ("deepseek", _ds_cfg(quantization_config={"quant_method": "fp8"}), "dequantize"),
+    ("deepseek", _ds_cfg(model_type="deepseek_v2"), "model_type"),
+])
+def test_config_unsupported_fields_one_line_error(adapter, cfg, needle):
+    from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+    from models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    cls = Llama3StateDictAdapter if adapter == "llama" else DeepSeekV3StateDictAdapter
+    with pytest.raises(HFConfigError) as e:
+        cls.args_from_hf(cfg)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and msg.startswith("hf error:")
+
+
+@pytest.mark.parametrize("model,flavor", [("llama3", "debug"), ("llama3", "8B"), ("llama3", "70B"),
+                                          ("llama3", "405B"), ("deepseek_v3", "debug"), ("deepseek_v3", "671B")])
+def test_args_config_roundtrip_published_flavors(model, flavor):
+    """args -> HF config.json -> args gives back the published flavor itself."""
+    from models import get_model_spec
+
+    spec = get_model_spec(model)
+    args = spec.flavors[flavor]
+    cfg = json.loads(json.dumps(spec.state_dict_adapter(args).hf_config()))
+    assert spec.state_dict_adapter.args_from_hf(cfg) == args
+
+
+def test_published_config_shapes():
+    """Real published config.json files (legacy spelling) map to our flavors."""
+    from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter as DS
+    from models.llama3 import LLAMA3_FLAVORS
+    from models.llama3.state_dict_adapter import Llama3StateDictAdapter as L
+
+    llama31_8b = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+                  "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+                  "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+                  "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                  "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+    assert L.args_from_hf(llama31_8b) == LLAMA3_FLAVORS["8B"]
+    ds_v3 = {**_ds_cfg(), "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+             "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+             "num_key_value_heads": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+             "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+             "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+             "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "norm_topk_prob": True, "ep_size": 1,
+             "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+             "num_nextn_predict_layers": 1, "moe_layer_freq": 1, "aux_loss_alpha": 0.001, "seq_aux": True,
+             "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                   "type": "yarn"},
+             "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
+
+    args = DS.args_from_hf(ds_v3)
+    assert DS.signature(args) == DS.signature(DEEPSEEK_V3_FLAVORS["671B"]) and args.max_seq_len == 163840
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_missing_and_unexpected_keys_one_error(hf_dirs, tmp_path):
+    from safetensors.torch import save_file
+
+    src = hf_dirs["deepseek_qlora_yarn"]
+    reader = HFReader(src)
+    sd = {k: reader.full(k) for k in reader.keys()}
+    del sd["model.layers.1.mlp.experts.5.up_proj.weight"]
+    del sd["model.layers.0.self_attn.q_a_layernorm.weight"]
+    sd["model.layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+    sd["model.norm.weight"] = torch.ones(3)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    save_file(sd, str(bad / "model.safetensors"))
+    spec, args = args_from_hf_folder(bad)
+    with pytest.raises(HFConfigError) as e:
+        load_hf_into_model([spec.model_cls(args)], bad)
+    msg = str(e.value)
+    assert "\n" not in msg and "missing 2 key(s)" in msg and "experts.5.up_proj" in msg and "q_a_layernorm" in msg
+    assert "unexpected 1 key(s)" in msg and "bogus" in msg and "model.norm.weight (3,) != (64,)" in msg
+
+
+def test_config_mismatch_names_the_fields_and_flavor(tmp_path):
+    """Loading an HF folder into a model of another shape says what differs and which flavor fits."""
+    from models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    args = spec.flavors["debug_small"]
+    out = tmp_path / "small"
+    save_hf_state_dict({k: torch.zeros(s) for k, s in spec.state_dict_adapter(args).native_shapes().items()},
+                       spec, args, out)
+    model = spec.model_cls(spec.flavors["debug"])
+    with pytest.raises(HFConfigError) as e:
+        load_hf_into_model([model], out)
+    msg = str(e.value)
+    assert "dim: 64 != 256" in msg and "--model.flavor debug_small" in msg and "\n" not in msg
