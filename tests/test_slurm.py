@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cluster import ClusterUnavailable, LocalSlurmCluster, free_port
+from trainer.launch import child_pids
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
@@ -139,6 +140,8 @@ def reference_job(cluster, seed_checkpoint, tmp_path_factory) -> Job:
     return job
 
 
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
 def test_two_node_job_matches_single_node(reference_job, seed_checkpoint, tmp_path):
     job = reference_job
     losses = read_losses(job.dump)
@@ -164,6 +167,8 @@ def test_two_node_job_matches_single_node(reference_job, seed_checkpoint, tmp_pa
         assert abs(a - b) <= 1e-5, f"step {step}: 2 nodes {a} vs 1 node {b}\n{losses}\n{ref}"
 
 
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
 def test_preempt_requeue_resume_is_bitwise(cluster, reference_job, seed_checkpoint, tmp_path):
     job = Job(cluster, tmp_path / "preempt",
               [*TRAIN_ARGS, "--checkpoint.initial_load_path", str(seed_checkpoint)], "titan-preempt")
@@ -204,6 +209,8 @@ def test_preempt_requeue_resume_is_bitwise(cluster, reference_job, seed_checkpoi
     assert losses == read_losses(reference_job.dump)
 
 
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
 def test_bad_config_fails_fast(cluster, tmp_path):
     job = Job(cluster, tmp_path / "badcfg", [*TRAIN_ARGS, "--training.stpes", "3"], "titan-badcfg")
     info = job.wait(timeout=120)
@@ -214,3 +221,68 @@ def test_bad_config_fails_fast(cluster, tmp_path):
     assert len(errors) == 1 and "stpes" in errors[0] and "steps" in errors[0], out
     assert not list(job.log_dir.glob("node*.log")), "srun must not have been started"
     assert job.wall < 60, f"took {job.wall:.0f}s; a rendezvous timeout would be minutes"
+
+
+# ---------------------------------------------------------------------------- trainer.launch alone
+# No SLURM needed: signal only the agent (as proctrack/pgid, or srun's own forwarding, would) and
+# check that it survives, passes the signal on, and exits with the worker's status.
+
+WORKER = """
+import json, os, sys, time
+time.sleep(float(sys.argv[2]))          # a signal may land before the handler exists
+from trainer.preemption import PreemptionHandler
+h = PreemptionHandler()
+open(sys.argv[1] + ".ready", "w").close()
+deadline = time.time() + 120
+while h.signal_received is None and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)                          # "saving the checkpoint"
+with open(sys.argv[1], "w") as f:
+    json.dump({"signal": h.signal_received, "pid": os.getpid()}, f)
+"""
+
+
+def _launch_worker(tmp_path: Path, delay: float) -> tuple[subprocess.Popen, Path]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "worker.json"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), str(out), str(delay)],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return agent, out
+
+
+def _wait_for(cond, agent: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if agent.poll() is not None or time.time() > deadline:
+            agent.kill()
+            raise AssertionError(f"agent exited {agent.returncode} / timeout:\n{agent.communicate()[0]}")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(300)
+def test_launch_agent_forwards_sigterm_and_exits_with_worker(tmp_path):
+    agent, out = _launch_worker(tmp_path, delay=0.0)
+    _wait_for(lambda: Path(str(out) + ".ready").exists(), agent)
+    os.kill(agent.pid, signal.SIGTERM)
+    os.kill(agent.pid, signal.SIGTERM)  # a second signal changes nothing
+    output, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 0, output
+    assert json.loads(out.read_text())["signal"] == signal.SIGTERM, output
+    assert "SIGTERM: forwarding to workers" in output
+
+
+@pytest.mark.timeout(300)
+def test_launch_usr1_before_worker_handler_is_held_not_fatal(tmp_path):
+    """Workers start with SIGUSR1 blocked until PreemptionHandler exists, so an early one waits."""
+    agent, out = _launch_worker(tmp_path, delay=3.0)
+    _wait_for(lambda: bool(child_pids(agent.pid)), agent)
+    os.kill(agent.pid, signal.SIGUSR1)  # the worker is still starting: no handler yet
+    _wait_for(lambda: Path(str(out) + ".ready").exists(), agent)
+    os.kill(agent.pid, signal.SIGUSR1)  # and once more while it "saves"
+    output, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 0, output
+    assert json.loads(out.read_text())["signal"] == signal.SIGUSR1, output
+    assert output.count("SIGUSR1: forwarding to workers") == 2, output

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -80,15 +81,13 @@ def _forward(signum: int, frame) -> None:
 
 
 def _install_agent_handlers() -> None:
-    # Keep torchelastic from replacing our SIGTERM handler when it starts the workers.
-    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    keep = [s.strip() for s in handled.split(",") if s.strip() and s.strip() not in ("SIGTERM", "SIGUSR1")]
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(keep) or "SIGINT"
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _forward)
 
-    # Spawn workers with SIGUSR1 blocked (the mask is inherited across fork/exec); the
-    # worker's PreemptionHandler unblocks it after installing its handler.
+    # torchelastic installs its own SIGTERM handler (shut the workers down, exit non-zero) when it
+    # starts the workers (`--signals-to-handle`); put ours back right after. Workers are spawned
+    # with SIGUSR1 blocked (the mask is inherited across fork/exec); the worker's PreemptionHandler
+    # unblocks it once installed. The agent's own pending SIGUSR1, if any, is delivered on unblock.
     from torch.distributed.elastic.multiprocessing import api
 
     original_start = api.PContext.start
@@ -100,7 +99,10 @@ def _install_agent_handlers() -> None:
         try:
             return original_start(self, *args, **kwargs)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a pending SIGUSR1 is delivered here
+            if threading.current_thread() is threading.main_thread():
+                for sig in FORWARDED_SIGNALS:
+                    signal.signal(sig, _forward)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     start._titan_wrapped = True  # type: ignore[attr-defined]
     api.PContext.start = start
