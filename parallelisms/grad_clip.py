@@ -34,5 +34,13 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, foreach: bool | 
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        # Same coefficient as torch.nn.utils.clip_grads_with_norm_, applied per group: one
+        # foreach op may not mix DTensors of different meshes, or DTensors and plain tensors.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups.values():
+            if foreach is False:
+                for g in grads:
+                    g.mul_(coef.to(g.device))
+            else:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

@@ -26,11 +26,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    ParallelStyle,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -64,6 +65,34 @@ def head_style(sequence_parallel: bool, loss_parallel_on: bool):
 def norm_style():
     """A norm on the sequence-sharded residual stream (SP); its weight is replicated."""
     return SequenceParallel()
+
+
+class ReplicateParallel(ParallelStyle):
+    """Params replicated as DTensors over TP, computed on replicated input; plain tensors out.
+
+    For modules TP does not shard when sequence parallel is off (the norms): every
+    parameter of a model part must be a DTensor on the TP mesh, or the foreach optimizer
+    and clipping kernels would mix DTensors and plain tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                           requires_grad=param.requires_grad))
+
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def norm_style_no_sp():
+    """A norm on the replicated residual stream (TP without SP)."""
+    return ReplicateParallel()
 
 
 def module_input_style(n_extra_args: int = 0):

@@ -30,8 +30,9 @@ def parallelize_llama(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     plan: dict = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = tp.embedding_style(sp)
-    if model.norm is not None and sp:
-        plan["norm"] = tp.norm_style()
+    norm = tp.norm_style if sp else tp.norm_style_no_sp
+    if model.norm is not None:
+        plan["norm"] = norm()
     if model.output is not None:
         plan["output"] = tp.head_style(sp, loss_parallel_on)
     keys = list(model.layers.keys())
@@ -47,10 +48,10 @@ def parallelize_llama(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
             plan[prefix] = tp.block_input_style(
                 1, first_on_stage_without_embedding=(i == 0 and model.tok_embeddings is None),
                 gather_output=(i == len(keys) - 1 and model.output is None))
-            plan[f"{prefix}.attention_norm"] = tp.norm_style()
             plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
-            plan[f"{prefix}.ffn_norm"] = tp.norm_style()
             plan[f"{prefix}.feed_forward"] = tp.module_input_style()
+        plan[f"{prefix}.attention_norm"] = norm()
+        plan[f"{prefix}.ffn_norm"] = norm()
         out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
         plan[f"{prefix}.attention.wq"] = tp.ColwiseParallel()
         plan[f"{prefix}.attention.wk"] = tp.ColwiseParallel()

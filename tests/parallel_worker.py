@@ -1,0 +1,138 @@
+"""Runs several training layouts in one torchrun launch and dumps full params/grads.
+
+    python -m torch.distributed.run --nproc-per-node N tests/parallel_worker.py CASES.json OUT_DIR
+
+CASES.json is a list of {"name": str, "args": [CLI overrides...], optional "copy": [src, dst]
+(rank 0 copies a checkpoint folder before the case), optional "dump_loaded": bool (also dump
+the params right after the Trainer is built, i.e. after a checkpoint load)}. All ranks run
+the cases in order; one process group serves them all (each Trainer builds its own mesh).
+
+For each case, one rank per pipeline stage (dp and tp coordinate 0) writes
+OUT_DIR/<name>.stage<pp rank>.pt with {"losses", "params", "grads", ["loaded"]}: unsharded
+(DTensor.full_tensor()) values under the model's own parameter names. Grads are those of
+the last step (after clipping), params are those after the last optimizer step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    for p in WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().to("cpu", copy=True)
+
+
+def gather_state(model_parts, with_grads: bool) -> tuple[dict, dict]:
+    params, grads = {}, {}
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            name = clean_name(name)
+            params[name] = full(p)
+            if with_grads and p.grad is not None:
+                grads[name] = full(p.grad)
+    return params, grads
+
+
+def run_case(case: dict, out: Path) -> None:
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    rank = dist.get_rank()
+    if "copy" in case:
+        src, dst = case["copy"]
+        if rank == 0:
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        dist.barrier()
+    t0 = time.perf_counter()
+    cfg = load_config(case["args"])
+    trainer = Trainer(cfg)
+    writer = trainer.dims.coordinate("dp") == 0 and trainer.dims.coordinate("tp") == 0
+    if case.get("dataloader_fallback"):
+        dataloader_fallback(trainer)
+    record: dict = {}
+    if case.get("dump_loaded"):
+        record["loaded"], _ = gather_state(trainer.model_parts, with_grads=False)
+        record["loaded_step"] = trainer.step
+    try:
+        record["losses"] = trainer.train()
+    finally:
+        trainer.checkpointer.close()
+        trainer.metrics.close()
+        gc.enable()
+    record["params"], record["grads"] = gather_state(trainer.model_parts, with_grads=True)
+    record["seconds"] = time.perf_counter() - t0
+    if writer:
+        torch.save(record, out / f"{case['name']}.stage{trainer.dims.coordinate('pp')}.pt")
+    if rank == 0:
+        print(f"[worker] case {case['name']}: {record['seconds']:.1f} s, losses {record['losses']}", flush=True)
+    del trainer
+    gc.collect()
+    dist.barrier()
+
+
+def dataloader_fallback(trainer) -> None:
+    """After a resume onto a larger dp degree, ranks whose `dataloader_dp{r}` key is not in the
+    checkpoint would start their data from batch 0. The loader's position is a global batch
+    index, equal on every dp rank (and remapped when the per-epoch layout changes), so such
+    ranks can take dp rank 0's. This emulates that fallback from test code (the Checkpointer
+    restores only its own key)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = trainer.checkpointer.resume_path()
+    if path is None:
+        return
+    top = {k.split(".", 1)[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    if "dataloader_dp0" not in top:
+        return
+    state = {"dataloader_dp0": trainer.dataloader.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))  # collective: every rank loads the same key
+    if f"dataloader_dp{trainer.dp_rank}" not in top:
+        trainer.dataloader.load_state_dict(state["dataloader_dp0"])
+        trainer.data_iter = iter(trainer.dataloader)
+
+
+def main() -> int:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    import datetime
+
+    from trainer.train import setup_logging
+
+    setup_logging()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    only = os.environ.get("WORKER_ONLY")
+    for case in cases:
+        if only and case["name"] not in only.split(","):
+            continue
+        run_case(case, out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
