@@ -103,3 +103,22 @@ def test_two_rank_fsdp_matches_one_rank(tmp_path):
     assert sorted(two) == [1, 2, 3]
     for step, loss in enumerate(ref, start=1):
         assert abs(two[step] - loss) <= 1e-5 * abs(loss), (step, two[step], loss)
+
+
+def test_profiler_writes_chrome_traces_and_snapshot_says_unavailable_on_cpu(tmp_path, caplog):
+    dump = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="trainer"):
+        run_in_process(TINY + ["--training.steps", "4", "--profiling.enable_profiling", "--profiling.profile_freq",
+                               "2", "--profiling.enable_memory_snapshot", "--job.dump_folder", str(dump)])
+    traces = sorted(p.relative_to(dump).as_posix() for p in (dump / "profile_traces").rglob("*.json"))
+    assert traces == ["profile_traces/iteration_2/rank0_trace.json", "profile_traces/iteration_4/rank0_trace.json"]
+    assert '"traceEvents"' in (dump / traces[0]).read_text()[:10000]
+    assert any("CUDA-only" in r.message for r in caplog.records)
+
+
+def test_bf16_autocast_on_cpu_when_asked(tmp_path):
+    losses, trainer = run_in_process(TINY + ["--training.steps", "2", "--training.mixed_precision_on_cpu",
+                                             "--job.dump_folder", str(tmp_path)])
+    assert trainer.autocast_dtype == torch.bfloat16
+    fp32, _ = run_in_process(TINY + ["--training.steps", "2", "--job.dump_folder", str(tmp_path / "b")])
+    assert losses != fp32 and abs(losses[0] - fp32[0]) < 0.05  # bf16 compute: close, not bitwise

@@ -79,6 +79,8 @@ class Trainer:
         tdist.set_seed(t.seed, t.deterministic)
         self.param_dtype = tdist.resolve_dtype(t.mixed_precision_param, self.device, t.mixed_precision_on_cpu)
         self.reduce_dtype = tdist.resolve_dtype(t.mixed_precision_reduce, self.device, t.mixed_precision_on_cpu)
+        # Without FSDP (one GPU) its MixedPrecisionPolicy is absent: autocast gives the same bf16 compute.
+        self.autocast_dtype = self.param_dtype if self.dims.fsdp_mesh() is None else torch.float32
 
         # ---- batch layout ----
         self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
@@ -217,6 +219,11 @@ class Trainer:
             dist.all_reduce(local, group=dp_mesh.get_group())
         return local
 
+    def autocast(self):
+        """bf16 compute without FSDP (one GPU, or CPU when asked); a no-op in fp32 and under FSDP."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype != torch.float32)
+
     def train_step(self, batches) -> tuple[float, float]:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -237,10 +244,11 @@ class Trainer:
         else:
             model = self.model_parts[0]
             for inputs, labels in batches:
-                if self.chunked_ce:  # the head computes the summed loss while FSDP has its weight gathered
-                    loss = chunked_ce_loss_sum(model, inputs, labels) / self._global_tokens
-                else:
-                    loss = self.loss_fn(model(inputs), labels)
+                with self.autocast():
+                    if self.chunked_ce:  # the head computes the summed loss while FSDP has its weight gathered
+                        loss = chunked_ce_loss_sum(model, inputs, labels) / self._global_tokens
+                    else:
+                        loss = self.loss_fn(model(inputs), labels)
                 loss.backward()
                 loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(
