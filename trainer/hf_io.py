@@ -350,3 +350,59 @@ def save_hf_state_dict(sd: dict[str, torch.Tensor], spec, args, folder: str | Pa
         raise HFConfigError(f"hf error: the state dict lacks {len(missing)} key(s) of {spec.name}: {missing[:8]}")
     _prepare_folder(folder)
     _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes)
+
+
+# --------------------------------------------------------------------------- DCP (scripts)
+
+
+def dcp_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Native key -> shape of the model weights in a DCP checkpoint folder (step-N)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise HFConfigError(f"hf error: {path} is not a DCP checkpoint folder (no .metadata)")
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+
+def load_dcp_model_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint (full or model-only) as whole tensors, in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    dcp_model_shapes(path)  # raises on a non-DCP folder
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sd = {k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+          for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    return sd
+
+
+def infer_model_from_shapes(shapes: dict[str, tuple[int, ...]], model: str | None = None,
+                            flavor: str | None = None):
+    """(spec, flavor name) whose model has exactly these weight shapes; with `model` /
+    `flavor` given, checks them instead. Raises one line when none or several fit."""
+    from models import MODEL_SPECS, get_model_spec
+
+    specs = [get_model_spec(model)] if model else [s for s in MODEL_SPECS.values() if s.state_dict_adapter]
+    fits = []
+    for spec in specs:
+        for name, args in spec.flavors.items():
+            if flavor and name != flavor:
+                continue
+            if spec.state_dict_adapter(args).native_shapes() == shapes:
+                fits.append((spec, name))
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        wanted = f"{model or '?'} / {flavor or '?'}"
+        raise HFConfigError(f"hf error: no model flavor ({wanted}) has the checkpoint's {len(shapes)} weight "
+                            "shapes; pass --model and --flavor of the run that wrote it")
+    raise HFConfigError(f"hf error: several flavors fit the checkpoint's shapes "
+                        f"({[f'{s.name}/{n}' for s, n in fits]}); pass --model and --flavor")
