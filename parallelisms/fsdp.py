@@ -25,13 +25,24 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
     if getattr(model, "tok_embeddings", None) is not None:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    # Expert parallelism (parallelisms/expert_parallel.py) marks routed-expert modules with
+    # `_expert_fsdp_mesh`: they are sharded first, over the ranks that share their EP shard
+    # (dp_shard x tp / ep), or, when there are none, left out of FSDP altogether.
+    ignored: set = set()
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        for sub in block.modules():
+            if not hasattr(sub, "_expert_fsdp_mesh"):
+                continue
+            if sub._expert_fsdp_mesh is not None:
+                fully_shard(sub, reshard_after_forward=reshard, **{**kwargs, "mesh": sub._expert_fsdp_mesh})
+            else:
+                ignored |= set(sub.parameters())
+        fully_shard(block, reshard_after_forward=reshard, **kwargs, **({"ignored_params": ignored} if ignored else {}))
     tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if tail:
         # The head runs last in forward and first in backward: resharding it would be wasted work.
         fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **kwargs)
-    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs, **({"ignored_params": ignored} if ignored else {}))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

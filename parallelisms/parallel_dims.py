@@ -50,6 +50,11 @@ class ParallelismConfig:
                            sequence_parallel=self.enable_sequence_parallel and tp > 1)
         if pp > 1:
             check_pipeline_layout(self, getattr(args, "n_layers", None), root.training.local_batch_size)
+        if self.expert_parallel_degree > 1:
+            from parallelisms.expert_parallel import check_expert_parallel_layout
+
+            check_expert_parallel_layout(args, ep=self.expert_parallel_degree, tp=tp,
+                                         sequence_parallel=self.enable_sequence_parallel)
 
 
 # Schedules that run one stage per rank, and those that need exactly two (a "V").
@@ -141,7 +146,13 @@ class ParallelDims:
     creates no process group. Flattened views:
       - "dp":      dp_replicate x dp_shard, over which data is sharded;
       - "fsdp":    dp_shard x cp, over which dense params are sharded (HSDP adds dp_replicate);
-      - "dp_cp":   dp_replicate x dp_shard x cp, over which gradients/losses are reduced.
+      - "dp_cp":   dp_replicate x dp_shard x cp, over which gradients/losses are reduced;
+      - "dp_cp_tp": every rank of one pipeline stage (MoE loads are summed over it: under
+                   sequence parallel, TP ranks route different tokens).
+    Expert meshes (ep > 1, see parallelisms/expert_parallel.py): the dp_shard x tp ranks,
+    tp innermost, are unflattened into ("efsdp", "ep"), ep innermost; so EP borrows TP
+    ranks first, then dp_shard ranks. Routed experts are split over "ep" and FSDP-sharded
+    over "efsdp" (dp_shard x tp / ep ranks; absent when that is 1).
     """
 
     def __init__(self, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
@@ -171,6 +182,7 @@ class ParallelDims:
         self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep = dp_replicate, dp_shard, cp, tp, pp, ep
         self.world_size = world_size
         self.world_mesh = None
+        self.expert_meshes: dict = {}  # "ep" and, when dp_shard x tp / ep > 1, "efsdp"
 
     @classmethod
     def from_config(cls, cfg: ParallelismConfig, world_size: int) -> "ParallelDims":
@@ -207,6 +219,11 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def expert_fsdp_degree(self) -> int:
+        """Ranks over which one EP rank's experts are FSDP-sharded: dp_shard x tp / ep."""
+        return self.dp_shard * self.tp // self.ep if self.ep > 1 else self.dp_shard
+
+    @property
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
@@ -221,19 +238,48 @@ class ParallelDims:
             return None
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         for flat, parts in (("dp", ("dp_replicate", "dp_shard")), ("fsdp", ("dp_shard", "cp")),
-                            ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+                            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+                            ("dp_cp_tp", ("dp_replicate", "dp_shard", "cp", "tp"))):
             present = tuple(p for p in parts if p in names)
             if len(present) > 1:
                 mesh[present]._flatten(flat)
         self.world_mesh = mesh
+        if self.ep > 1:
+            self._build_expert_meshes(mesh, names)
         return mesh
+
+    def _build_expert_meshes(self, mesh, names) -> None:
+        """Unflattens dp_shard x tp (tp innermost) into (efsdp, ep), ep innermost. The new
+        meshes share the world mesh's root, so FSDP can combine "efsdp" with "ep"."""
+        borrowed = tuple(n for n in ("dp_shard", "tp") if n in names)
+        efsdp = self.expert_fsdp_degree
+        src = mesh[borrowed]
+        if efsdp == 1:
+            self.expert_meshes = {"ep": src._flatten("ep")}
+            return
+        if len(borrowed) > 1:
+            src = src._flatten("dp_shard_tp")
+        sparse = src._unflatten(0, (efsdp, self.ep), ("efsdp", "ep"))
+        self.expert_meshes = {"ep": sparse["ep"], "efsdp": sparse["efsdp"]}
+
+    def expert_fsdp_mesh(self):
+        """The mesh routed experts are FSDP-sharded over under EP: (dp_replicate, efsdp) for
+        HSDP, "efsdp" alone, "dp_replicate" alone (sharded over the replicas), or None."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shard, replicate = self.expert_meshes.get("efsdp"), self.mesh("dp_replicate")
+        if shard is not None and replicate is not None:
+            return DeviceMesh._concatenate([replicate, shard])
+        return shard if shard is not None else replicate
 
     def mesh(self, name: str):
         """A named (possibly flattened) sub-mesh, or None when that dimension is 1."""
         if self.world_mesh is None:
             return None
+        if name in self.expert_meshes:
+            return self.expert_meshes[name]
         aliases = {"dp": ("dp_replicate", "dp_shard"), "fsdp": ("dp_shard", "cp"),
-                   "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+                   "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp")}
         names = self.world_mesh.mesh_dim_names
         if name in names:
             return self.world_mesh[name]

@@ -258,9 +258,11 @@ class Trainer:
             opt.step()
         for sched in self.lr_schedulers:
             sched.step()
+        # Model-specific extra metrics (MoE expert load), read before the hook zeroes its counters.
+        self.step_extra_metrics: dict[str, float] = {}
         if self.spec.post_optimizer_step_fn is not None:
             for part in self.model_parts:
-                self.spec.post_optimizer_step_fn(part, self.dims)
+                self.step_extra_metrics.update(self.spec.post_optimizer_step_fn(part, self.dims) or {})
         # The logged loss is the global mean over valid tokens.
         dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
@@ -289,7 +291,8 @@ class Trainer:
                 self.metrics.add_tokens(tokens_per_step)
                 if self.metrics.should_log(self.step, last):
                     self.metrics.record(self.step, loss=loss, grad_norm=grad_norm,
-                                        lr=self.lr_schedulers[0].get_last_lr()[0])
+                                        lr=self.lr_schedulers[0].get_last_lr()[0],
+                                        extra=getattr(self, "step_extra_metrics", None))
                 if self.checkpointer.should_save(self.step, last):
                     self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
 @dataclass
@@ -182,7 +182,13 @@ class GroupedExperts(nn.Module):
         w2: [E, hidden, dim]  (down projection; HF down_proj.weight[e] transposed)
 
     out_e(x) = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]. Dim 0 is the expert dim that EP shards.
+
+    `partial_grad_over_replicate`: set by a TP plan whose ranks feed these (replicated)
+    weights different tokens (sequence parallel): the local gradient is then a partial
+    sum over those ranks, and is marked `Partial` so that DTensor sums it.
     """
+
+    partial_grad_over_replicate: bool = False
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
@@ -196,7 +202,12 @@ class GroupedExperts(nn.Module):
         """x: [T, dim] rows grouped by expert in order 0..E-1; num_tokens_per_expert: [E] int."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         if isinstance(w1, DTensor):  # EP/TP-sharded: compute on the local shard
-            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+            grad_placements = None
+            if self.partial_grad_over_replicate:
+                grad_placements = [Partial() if p.is_replicate() else p for p in w1.placements]
+            w1, w2, w3 = (w.to_local(grad_placements=grad_placements) for w in (w1, w2, w3))
+        if w1.dtype != x.dtype:  # weights FSDP's mixed precision does not manage (EP without FSDP)
+            w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
             return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
@@ -286,6 +297,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+        # Expert parallelism hook: a callable (experts, routed_input, num_tokens_per_expert)
+        # -> routed_output that dispatches rows to the experts' ranks and combines them back
+        # (parallelisms/expert_parallel.py). None: run the experts here.
+        self.token_dispatcher = None
 
     # ---- steps (each one a seam for EP) ----
     def route(self, x: torch.Tensor):
@@ -301,6 +316,8 @@ class MoE(nn.Module):
         return routed_input, num_tokens_per_expert, order
 
     def run_experts(self, routed_input: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.token_dispatcher is not None:
+            return self.token_dispatcher(self.experts, routed_input, num_tokens_per_expert)
         return self.experts(routed_input, num_tokens_per_expert)
 
     def unpermute(self, routed_output: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -361,10 +378,13 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
     For every MoE layer in `model` (a module, or a list of pipeline model parts):
     sum `tokens_per_expert` over `dp_group` (a ProcessGroup or 1-D DeviceMesh; one
     all-reduce for all layers), then expert_bias += coeff * sign(mean - count), and zero
-    the counters. Layers that saw no tokens are left unchanged."""
+    the counters. Layers that saw no tokens are left unchanged.
+
+    Returns the summed loads [L, E] (fp32, MoE layers in module order) that drove the
+    update, or None without MoE layers; see `expert_load_metrics`."""
     layers = _moe_layers(model)
     if not layers:
-        return
+        return None
     counts = torch.stack([m.tokens_per_expert for m in layers]).to(torch.float32)
     if dp_group is not None and dist.is_available() and dist.is_initialized():
         group = dp_group.get_group() if hasattr(dp_group, "get_group") else dp_group
@@ -373,6 +393,43 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
     for m, d in zip(layers, delta):
         m.expert_bias.add_(d.to(m.expert_bias.dtype))
         m.tokens_per_expert.zero_()
+    return counts
+
+
+def moe_layer_ids(model: nn.Module | Iterable[nn.Module]) -> list[str]:
+    """The block key ("3" for `layers.3...moe`) of each MoE layer, in `_moe_layers` order."""
+    import re
+
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    ids = []
+    for part in parts:
+        for name, m in part.named_modules():
+            if isinstance(m, MoE):
+                found = re.search(r"(?:^|\.)layers\.([^.]+)\.", name)
+                ids.append(found.group(1) if found else name)
+    return ids
+
+
+def expert_load_metrics(layer_ids: list[str], counts: torch.Tensor | None) -> dict[str, float]:
+    """Per-layer expert load from summed loads [L, E] (`update_moe_load_balance_bias`'s
+    result): `moe/layer{i}_max_over_mean` (1 = balanced; E / top_k when every token picks
+    the same experts) and `moe/layer{i}_idle_experts` (experts that got no token), plus
+    their max over layers, `moe/max_over_mean`. Layers that saw no tokens are skipped.
+    One device-to-host copy."""
+    if counts is None or counts.numel() == 0:
+        return {}
+    mean = counts.mean(dim=1)
+    stats = torch.stack([counts.amax(dim=1) / mean.clamp_min(1e-12), (counts == 0).sum(dim=1).to(counts.dtype),
+                         mean], dim=1).tolist()
+    out: dict[str, float] = {}
+    for lid, (ratio, idle, avg) in zip(layer_ids, stats):
+        if avg > 0:
+            out[f"moe/layer{lid}_max_over_mean"] = ratio
+            out[f"moe/layer{lid}_idle_experts"] = idle
+    ratios = [v for k, v in out.items() if k.endswith("_max_over_mean")]
+    if ratios:
+        out["moe/max_over_mean"] = max(ratios)
+    return out
 
 
 def moe_aux_loss(model: nn.Module | Iterable[nn.Module]) -> torch.Tensor | None:

@@ -2,9 +2,11 @@
 
 import torch
 
-from models.common.moe import MoE, MoEArgs, moe_aux_loss, update_moe_load_balance_bias
+from models.common.moe import (MoE, MoEArgs, expert_load_metrics, moe_aux_loss, moe_layer_ids,
+                               update_moe_load_balance_bias)
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from models.deepseek_v3.model import DeepSeekV3, count_params, interleaved_to_half_perm
+from models.deepseek_v3.parallelize import expert_parallel_fn, parallelize_deepseek
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.spec import ModelSpec
 
@@ -23,13 +25,17 @@ def _sac_save_ops() -> frozenset:
     return frozenset(ops)
 
 
-def post_optimizer_step(model, parallel_dims=None) -> None:
+def post_optimizer_step(model, parallel_dims=None) -> dict[str, float]:
     """ModelSpec.post_optimizer_step_fn: the trainer calls it as (model_part, ParallelDims).
-    Loads are summed over the "dp_cp" ranks (those that route different tokens), so every
-    replica of a layer applies the same bias update."""
+    Loads are summed over every rank of the pipeline stage ("dp_cp_tp": data ranks route
+    different tokens, and so do TP ranks under sequence parallel; without SP the TP ranks
+    count the same tokens, a uniform factor the sign-based update ignores), so every
+    replica of a layer applies the same bias update. Returns the expert-load metrics of
+    this step (`expert_load_metrics`), computed before the counters are zeroed."""
     coeff = getattr(getattr(model, "args", None), "load_balance_coeff", 1e-3)
-    group = parallel_dims.mesh("dp_cp") if parallel_dims is not None else None
-    update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
+    group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
+    counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
+    return expert_load_metrics(moe_layer_ids(model), counts)
 
 
 def summarize(model, args: DeepSeekV3Args, seq_len: int) -> dict[str, float]:
@@ -43,6 +49,8 @@ spec = ModelSpec(
     name="deepseek_v3",
     flavors=DEEPSEEK_V3_FLAVORS,
     model_cls=DeepSeekV3,
+    tensor_parallel_fn=parallelize_deepseek,
+    expert_parallel_fn=expert_parallel_fn,
     sac_save_ops=_sac_save_ops(),
     sac_force_recompute_fqns=("*router.gate*",),
     post_optimizer_step_fn=post_optimizer_step,

@@ -1,0 +1,123 @@
+"""DeepSeek V3 tensor-parallel plan (`ModelSpec.tensor_parallel_fn`) and its expert
+parallelism hook (`ModelSpec.expert_parallel_fn`, see parallelisms/expert_parallel.py).
+
+Applied by the trainer to one model part (the whole model or one pipeline stage),
+before AC, compile and FSDP. Every parameter ends up a DTensor on the TP mesh (or,
+for EP-sharded experts, on the EP mesh), so foreach optimizers and clipping never mix
+DTensors with plain tensors.
+
+- Edges (embedding, final norm, head) and dense blocks' feed_forward: as Llama 3.
+- MLA: the projections that produce per-head outputs are column-wise (each rank holds
+  whole heads: `wq`, or `wq_b` with q LoRA, and `wkv_b`), `wo` is row-wise. The
+  low-rank down projections and their norms (`wq_a`, `q_norm`, `wkv_a`, `kv_norm`) are
+  replicated: their outputs (the q / kv latents and the shared rope key) feed all heads.
+- MoE blocks. With sequence parallel the MoE runs on each TP rank's own sequence shard:
+  no communication at its boundary, the router gate is replicated (gradient summed over
+  TP by DTensor), routed experts are replicated with a partial gradient (ep = 1) or
+  EP-sharded (ep > 1, by `expert_parallel_fn`), and the shared experts are a TP MLP
+  over the gathered rows (all-gather in, reduce-scatter out). Without sequence parallel
+  the MoE input is the replicated full sequence: router and routed experts are
+  replicated and each TP rank computes them whole; shared experts are column/row-wise.
+  EP with TP but without SP is refused (see parallelisms/expert_parallel.py).
+- Limitation: with SP, the sequence balance loss (`aux_loss_coeff` > 0) is computed on
+  each rank's sequence shard, not on whole sequences.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from parallelisms import tensor_parallel as tp
+from parallelisms.expert_parallel import expert_parallel_fn  # noqa: F401  (re-exported for the spec)
+from parallelisms.tensor_parallel import ReplicateParallel
+
+
+class _ReplicateParams(ParallelStyle):
+    """Parameters replicated as DTensors over TP; no input/output hooks (the module keeps
+    computing on local tensors, e.g. `GroupedExperts`, which calls `.to_local()`)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                           requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+
+def _moe_plan(prefix: str, sp: bool, ep: int, plan: dict) -> None:
+    if sp:
+        # The MoE works on this rank's tokens: local tensors in, Shard(1) DTensor out.
+        plan[f"{prefix}.moe"] = tp.PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
+        plan[f"{prefix}.moe.router.gate"] = tp.SequenceParallel(sequence_dim=0, use_local_output=True)
+        plan[f"{prefix}.moe.shared_experts"] = tp.PrepareModuleInput(
+            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        plan[f"{prefix}.moe.shared_experts.w2"] = tp.RowwiseParallel(output_layouts=Shard(0), use_local_output=True)
+    else:
+        plan[f"{prefix}.moe.router.gate"] = ReplicateParallel()
+        plan[f"{prefix}.moe.shared_experts.w2"] = tp.RowwiseParallel()
+    plan[f"{prefix}.moe.shared_experts.w1"] = tp.ColwiseParallel()
+    plan[f"{prefix}.moe.shared_experts.w3"] = tp.ColwiseParallel()
+    if ep <= 1:
+        plan[f"{prefix}.moe.experts"] = _ReplicateParams()
+
+
+def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
+    sp = bool(parallelism_cfg.enable_sequence_parallel)
+    loss_parallel_on = not parallelism_cfg.disable_loss_parallel
+    ep = int(getattr(parallelism_cfg, "expert_parallel_degree", 1))
+    norm = tp.norm_style if sp else tp.norm_style_no_sp
+    plan: dict = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = tp.embedding_style(sp)
+    if model.norm is not None:
+        plan["norm"] = norm()
+    if model.output is not None:
+        plan["output"] = tp.head_style(sp, loss_parallel_on)
+    keys = list(model.layers.keys())
+    if sp and not keys and (model.tok_embeddings is None or model.output is None):
+        from trainer.configurable import ConfigError
+
+        raise ConfigError("config error: parallelism.module_fqns_per_model_part: with sequence parallel every "
+                          "pipeline stage needs at least one transformer block; move a block into the stage or "
+                          "set --parallelism.enable_sequence_parallel false")
+    out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    for i, key in enumerate(keys):
+        block = model.layers[key]
+        prefix = f"layers.{key}"
+        if sp:
+            plan[prefix] = tp.block_input_style(
+                1, first_on_stage_without_embedding=(i == 0 and model.tok_embeddings is None),
+                gather_output=(i == len(keys) - 1 and model.output is None))
+            plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
+        plan[f"{prefix}.attention_norm"] = norm()
+        plan[f"{prefix}.ffn_norm"] = norm()
+        att = f"{prefix}.attention"
+        if block.attention.q_lora_rank == 0:
+            plan[f"{att}.wq"] = tp.ColwiseParallel()
+        else:
+            plan[f"{att}.wq_a"] = ReplicateParallel()
+            plan[f"{att}.q_norm"] = ReplicateParallel()
+            plan[f"{att}.wq_b"] = tp.ColwiseParallel()
+        plan[f"{att}.wkv_a"] = ReplicateParallel()
+        plan[f"{att}.kv_norm"] = ReplicateParallel()
+        plan[f"{att}.wkv_b"] = tp.ColwiseParallel()
+        plan[f"{att}.wo"] = tp.RowwiseParallel(**out_layout)
+        if block.moe_enabled:
+            _moe_plan(prefix, sp, ep, plan)
+        else:
+            if sp:
+                plan[f"{prefix}.feed_forward"] = tp.module_input_style()
+            plan[f"{prefix}.feed_forward.w1"] = tp.ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
+    tp.apply_plan(model, tp_mesh, plan)
+    if sp and ep <= 1:
+        # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
+        for block in model.layers.values():
+            if block.moe_enabled:
+                block.moe.experts.partial_grad_over_replicate = True
