@@ -96,6 +96,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """sum_i CE(hidden[i] @ weight^T, labels[i]) over tokens i, chunk by chunk.
 
     Shapes: hidden [N, D], weight [V, D], labels [N] (int64). Returns an fp32 scalar.
+    Under autocast, hidden and weight are cast to the autocast dtype as F.linear would
+    be, in forward and again in backward; gradients come back in the inputs' dtypes.
 
     Memory (C = chunk tokens, b = bytes per element of hidden's dtype):
       saved for backward: `hidden` and `labels` (N*D*b + N*8; the plain path's Linear
@@ -124,54 +126,66 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 ignore_index: int) -> torch.Tensor:
-        n = hidden.shape[0]
-        token_loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logits = F.linear(hidden[start:end], weight)
-            token_loss[start:end] = F.cross_entropy(logits.float(), labels[start:end], ignore_index=ignore_index,
-                                                    reduction="none")
-            del logits
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
-        # Reduce with nll_loss itself over a [N, 1] matrix of the picked log-probs, so the
-        # sum runs in the same order as the plain path's nll_loss over [N, V].
-        target = torch.where(labels == ignore_index, ignore_index, 0)
-        return F.nll_loss(token_loss.neg_().unsqueeze(1), target, ignore_index=ignore_index, reduction="sum")
+        # Under autocast, cast once as autocast would for F.linear, and run the rest
+        # with autocast off; backward repeats the same casts (its autograd runs outside
+        # the autocast region). Only the compute-dtype copy of hidden is saved.
+        dev = hidden.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        ctx.hidden_dtype, ctx.weight_dtype, ctx.cdt = hidden.dtype, weight.dtype, cdt
+        with torch.autocast(dev, enabled=False):
+            h, w = (hidden.to(cdt), weight.to(cdt)) if cdt is not None else (hidden, weight)
+            n = h.shape[0]
+            token_loss = torch.empty(n, dtype=torch.float32, device=h.device)
+            for start in range(0, n, chunk_size):
+                end = min(start + chunk_size, n)
+                logits = F.linear(h[start:end], w)
+                token_loss[start:end] = F.cross_entropy(logits.float(), labels[start:end], ignore_index=ignore_index,
+                                                        reduction="none")
+                del logits
+            ctx.save_for_backward(h, weight, labels)
+            ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+            # Reduce with nll_loss itself over a [N, 1] matrix of the picked log-probs, so the
+            # sum runs in the same order as the plain path's nll_loss over [N, V].
+            target = torch.where(labels == ignore_index, ignore_index, 0)
+            return F.nll_loss(token_loss.neg_().unsqueeze(1), target, ignore_index=ignore_index, reduction="sum")
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, labels = ctx.saved_tensors
+        h, weight, labels = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
             return None, None, None, None, None
-        n, chunk = hidden.shape[0], ctx.chunk_size
-        g = grad_out.detach().to(torch.float32)
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            h_c, y_c = hidden[start:end], labels[start:end]
-            logits = F.linear(h_c, weight)
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            del logits
-            # The same two derivative kernels autograd runs for the plain path: nll_loss's
-            # (-g at each valid label, 0 elsewhere), then log_softmax's (which gives
-            # g * (softmax - onehot) on valid rows and 0 on ignored ones).
-            valid = y_c != ctx.ignore_index
-            grad_lp = torch.zeros_like(log_probs)
-            grad_lp.scatter_(1, torch.where(valid, y_c, 0).unsqueeze(1),
-                             torch.where(valid, -g, 0.0).to(torch.float32).unsqueeze(1))
-            grad = torch.ops.aten._log_softmax_backward_data(grad_lp, log_probs, 1, torch.float32)
-            del grad_lp, log_probs
-            grad = grad.to(weight.dtype)
-            if need_h:
-                torch.mm(grad, weight, out=grad_hidden[start:end])
-            if need_w:
-                _accumulate_grad_weight(grad_weight, grad, h_c)
-            del grad
-        if need_w and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(ctx.cdt) if ctx.cdt is not None else weight
+            n, chunk = h.shape[0], ctx.chunk_size
+            g = grad_out.detach().to(torch.float32)
+            grad_hidden = torch.empty_like(h) if need_h else None
+            grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h_c, y_c = h[start:end], labels[start:end]
+                logits = F.linear(h_c, w)
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
+                del logits
+                # The same two derivative kernels autograd runs for the plain path: nll_loss's
+                # (-g at each valid label, 0 elsewhere), then log_softmax's (which gives
+                # g * (softmax - onehot) on valid rows and 0 on ignored ones).
+                valid = y_c != ctx.ignore_index
+                grad_lp = torch.zeros_like(log_probs)
+                grad_lp.scatter_(1, torch.where(valid, y_c, 0).unsqueeze(1),
+                                 torch.where(valid, -g, 0.0).to(torch.float32).unsqueeze(1))
+                grad = torch.ops.aten._log_softmax_backward_data(grad_lp, log_probs, 1, torch.float32)
+                del grad_lp, log_probs
+                grad = grad.to(w.dtype)
+                if need_h:
+                    torch.mm(grad, w, out=grad_hidden[start:end])
+                if need_w:
+                    _accumulate_grad_weight(grad_weight, grad, h_c)
+                del grad
+            if need_h and grad_hidden.dtype != ctx.hidden_dtype:
+                grad_hidden = grad_hidden.to(ctx.hidden_dtype)
+            if need_w and grad_weight.dtype != ctx.weight_dtype:
+                grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
 
 

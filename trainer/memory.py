@@ -155,14 +155,16 @@ def resolve_layout(cfg, world_size: int) -> Layout:
                   loss_parallel=dims.tp > 1 and not par.disable_loss_parallel)
 
 
-def compute_dtype(cfg, layout: Layout, device: str) -> torch.dtype:
-    """The dtype the model computes in, as the trainer resolves it."""
-    if not layout.fsdp:
-        return torch.float32  # mixed precision comes from FSDP's policy only
+def compute_dtype(cfg, layout: Layout, device: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype of the params the model runs with, autocast dtype or None), as the trainer
+    resolves them: under FSDP its MixedPrecisionPolicy gathers params in
+    `mixed_precision_param`; without FSDP the fp32 params run under autocast to it."""
     dtype = _DTYPES[cfg.training.mixed_precision_param]
     if device == "cpu" and not cfg.training.mixed_precision_on_cpu:
-        return torch.float32
-    return dtype
+        dtype = torch.float32
+    if layout.fsdp or dtype == torch.float32:
+        return dtype, None
+    return torch.float32, dtype
 
 
 # ---------------------------------------------------------------------------
@@ -284,14 +286,16 @@ class BlockProbe:
     saved_breakdown: dict
     backward_extra: int  # peak live bytes during its backward above what forward left (incl. weight grads)
     weight_grad_bytes: int  # the block's weight gradients in the compute dtype
+    expert_grad_bytes: int  # of which routed experts' (all experts: EP shards them)
     input_bytes: int  # one residual-stream tensor [mb, seq, dim]
 
 
 def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, batch: int, seq: int,
                 dtype: torch.dtype, ac_cfg, extra_save_ops=(), force_recompute_fqns=(), tp: int = 1,
-                layer_id: int = 0) -> BlockProbe:
+                layer_id: int = 0, autocast: torch.dtype | None = None) -> BlockProbe:
     """Saved bytes and backward transient of one block under `mode` (none/full/op) at
-    [batch, seq, dim] in `dtype`, with fake tensors."""
+    [batch, seq, dim] with params in `dtype` (forward under `autocast` if given), with
+    fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.checkpoint import checkpoint
 
@@ -302,9 +306,11 @@ def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, ba
         dim = _model_dim(block_meta)
         x = torch.empty(batch, seq, dim, dtype=dtype, requires_grad=True)
         rope = torch.zeros(tuple(rope_meta.shape), dtype=rope_meta.dtype)[:seq]
-        total, breakdown = saved_activation_bytes(block, x, rope, mode=mode, cfg=ac_cfg, extra_save_ops=extra_save_ops,
-                                                  force_recompute_fqns=force_recompute_fqns, layer_id=layer_id,
-                                                  breakdown=True)
+        with _maybe_autocast(autocast):
+            total, breakdown = saved_activation_bytes(block, x, rope, mode=mode, cfg=ac_cfg,
+                                                      extra_save_ops=extra_save_ops,
+                                                      force_recompute_fqns=force_recompute_fqns, layer_id=layer_id,
+                                                      breakdown=True)
         # The backward's transients: forward as the trainer wraps it, then backward.
         ctx_fn = None
         if mode == "op":
@@ -313,13 +319,14 @@ def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, ba
                                        prefix=f"layers.{layer_id}")
         try:
             with LiveBytesTracker() as tracker:
-                if mode == "none":
-                    out = block(x, rope)
-                elif mode == "full":
-                    out = checkpoint(block, x, rope, use_reentrant=False, preserve_rng_state=False)
-                else:
-                    out = checkpoint(block, x, rope, use_reentrant=False, preserve_rng_state=False,
-                                     context_fn=ctx_fn)
+                with _maybe_autocast(autocast):
+                    if mode == "none":
+                        out = block(x, rope)
+                    elif mode == "full":
+                        out = checkpoint(block, x, rope, use_reentrant=False, preserve_rng_state=False)
+                    else:
+                        out = checkpoint(block, x, rope, use_reentrant=False, preserve_rng_state=False,
+                                         context_fn=ctx_fn)
                 grad_out = torch.empty_like(out)
                 after_forward = tracker.sample()
                 tracker.reset_peak()
@@ -329,9 +336,15 @@ def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, ba
             if ctx_fn is not None:
                 ctx_fn.scope.remove()
         wgrad = sum(p.numel() * p.element_size() for p in block.parameters())
+        egrad = sum(p.numel() * p.element_size() for n, p in block.named_parameters() if _is_expert(n))
         inp = x.numel() * x.element_size()
     return BlockProbe(saved=int(total), saved_breakdown=dict(breakdown), backward_extra=int(peak - after_forward),
-                      weight_grad_bytes=int(wgrad), input_bytes=int(inp))
+                      weight_grad_bytes=int(wgrad), expert_grad_bytes=int(egrad), input_bytes=int(inp))
+
+
+def _maybe_autocast(dtype: torch.dtype | None):
+    import contextlib
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _model_dim(module: nn.Module) -> int:
@@ -351,7 +364,7 @@ class HeadProbe:
 
 
 def probe_head(norm_meta: nn.Module, output_meta: nn.Module, *, batch: int, seq: int, dtype: torch.dtype,
-               chunked: bool, chunk_size: int, tp_vocab: int = 1) -> HeadProbe:
+               chunked: bool, chunk_size: int, tp_vocab: int = 1, autocast: torch.dtype | None = None) -> HeadProbe:
     """Final norm + output projection + loss (plain or chunked) on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -367,7 +380,7 @@ def probe_head(norm_meta: nn.Module, output_meta: nn.Module, *, batch: int, seq:
         labels = torch.zeros(batch, seq, dtype=torch.long)
         x_bytes = x.numel() * x.element_size()
         with LiveBytesTracker() as tracker:
-            with SavedActivationCounter(list(norm.parameters()) + [weight]) as counter:
+            with SavedActivationCounter(list(norm.parameters()) + [weight]) as counter, _maybe_autocast(autocast):
                 h = norm(x)
                 if chunked:
                     loss = chunked_linear_cross_entropy(h, weight, labels, chunk_size)
@@ -466,7 +479,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     if mode == "memory_budget":
         raise ConfigError("config error: activation_checkpoint.mode: memory_budget is chosen by the compile "
                           "partitioner and has no eager count; estimate with none/full/op instead")
-    dtype = compute_dtype(cfg, layout, device)
+    dtype, autocast = compute_dtype(cfg, layout, device)
     esize = torch.tensor([], dtype=dtype).element_size()
     notes: list[str] = []
 
@@ -525,7 +538,18 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
             probes[kind] = probe_block(blk, rope, mode=modes[lid], batch=mb, seq=seq, dtype=dtype, ac_cfg=ac,
                                        extra_save_ops=spec.sac_save_ops,
                                        force_recompute_fqns=spec.sac_force_recompute_fqns, tp=layout.tp,
-                                       layer_id=lid)
+                                       layer_id=lid, autocast=autocast)
+    # EP: the probed block holds all routed experts; this rank holds E/ep of them. The
+    # expert-sized part of the backward transient (weight grads and their temporaries) is
+    # found from a second probe with E/2 experts and scaled linearly to E/ep.
+    ep_extra: dict[tuple, int] = {}
+    if layout.ep > 1:
+        for lid in all_layers:
+            kind = kind_of[lid]
+            if kind in ep_extra or probes[kind].expert_grad_bytes == 0:
+                continue
+            ep_extra[kind] = _ep_local_backward_extra(model.layers[str(lid)], args, lid, probes[kind], rope, mb, seq,
+                                                      dtype, ac, spec, layout, modes[lid], notes, autocast)
     # Sequence parallel: the residual stream (block inputs, norm inputs) is sharded over TP.
     sp_div = layout.tp if layout.sequence_parallel else 1
 
@@ -567,15 +591,20 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     # ---- logits / loss ----
     tp_vocab = layout.tp if layout.loss_parallel else 1
     head_plain = probe_head(model.norm, model.output, batch=mb, seq=seq, dtype=dtype, chunked=False,
-                            chunk_size=cfg.loss.ce_chunk_size, tp_vocab=tp_vocab)
+                            chunk_size=cfg.loss.ce_chunk_size, tp_vocab=tp_vocab, autocast=autocast)
     head_chunk = probe_head(model.norm, model.output, batch=mb, seq=seq, dtype=dtype, chunked=True,
-                            chunk_size=cfg.loss.ce_chunk_size, tp_vocab=tp_vocab)
+                            chunk_size=cfg.loss.ce_chunk_size, tp_vocab=tp_vocab, autocast=autocast)
     head, other = (head_chunk, head_plain) if cfg.loss.chunked_ce else (head_plain, head_chunk)
     loss_peak = max(head.forward_peak, head.backward_peak)
     loss_peak_other = max(other.forward_peak, other.backward_peak)
 
     # ---- FSDP buffers (compute dtype) ----
-    unit_bytes = {u: sum(params[n].numel() for n in ns) * esize / layout.tp for u, ns in units.items()}
+    def unsharded_numel(n):  # what FSDP gathers on this rank: TP- and EP-local shapes
+        if _is_expert(n):
+            return params[n].numel() / layout.ep
+        return math.prod(_tp_sharded(n, params[n], layout.tp))
+
+    unit_bytes = {u: sum(unsharded_numel(n) for n in ns) * esize for u, ns in units.items()}
     block_units = [u for u in unit_bytes if u.startswith("layers.")]
     largest_block = max((unit_bytes[u] for u in block_units), default=0)
     fsdp_buffers = 0
@@ -598,7 +627,14 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     accum_grads = grads if (grad_accum > 1 or layout.pp > 1) else 0
     local_head_grad = local_bytes(units.get("head", []))
     phases = {}
-    phases["forward+loss"] = fsdp_buffers + accum_grads + activations + head.forward_peak
+    # Autocast (no FSDP) caches the low-precision copy of every weight it casts until the
+    # forward+loss region ends; blocks without AC save those copies anyway (counted above).
+    autocast_cache = 0
+    if autocast is not None:
+        csize = torch.tensor([], dtype=autocast).element_size()
+        autocast_cache = sum(params[n].numel() * csize for lid in layer_ids_rank0 if modes[lid] != "none"
+                             for n in units.get(f"layers.{lid}", []) if params[n].dim() == 2)
+    phases["forward+loss"] = fsdp_buffers + accum_grads + activations + head.forward_peak + autocast_cache
     phases["loss backward"] = fsdp_buffers + accum_grads + activations + head.backward_peak
     # Backward through the blocks, last first: blocks before i still hold activations,
     # blocks after i hold their (local, fp32) grads; block i runs its backward transient.
@@ -608,11 +644,14 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         pr_last = probes[kind_of[last_blocks[-1]]]
         head_grad_live = local_head_grad if layout.fsdp else head.weight_grad_bytes
         grad_in = pr_last.input_bytes
-        worst_block = pr_last.backward_extra
+        worst_block = ep_extra.get(kind_of[last_blocks[-1]], pr_last.backward_extra)
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live + grad_in +
-                                    pr_last.backward_extra)
+                                    worst_block)
     opt_tmp = p_bytes if _optimizer_impl(cfg, device) == "foreach" else 0
     phases["optimizer step"] = grads + opt_tmp
+    if layout.fsdp is False and layout.world > 1 and par.data_parallel_shard_degree == -1:
+        notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding and fp32 "
+                     "compute; pass --ngpu (e.g. several nodes) to lay the config out with FSDP")
     if offload:
         phases["optimizer step"] = 0
         p_bytes_gpu, grads, optimizer = 0, 0, 0
@@ -620,12 +659,31 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
 
     return MemoryEstimate(
         config=config_name, model=f"{cfg.model.name} {cfg.model.flavor}", world_size=world, layout=layout,
-        device=device, compute_dtype=str(dtype).replace("torch.", ""), ac_mode=mode, chunked_ce=cfg.loss.chunked_ce,
+        device=device, compute_dtype=str(autocast or dtype).replace("torch.", "") + (" (autocast)" if autocast else ""), ac_mode=mode, chunked_ce=cfg.loss.chunked_ce,
         tokens_per_microbatch=mb * seq, blocks_on_rank=blocks_on_rank, in_flight_microbatches=in_flight,
         params=int(p_bytes), grads=int(grads), optimizer=int(optimizer), fsdp_buffers=int(fsdp_buffers),
         activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
         loss_peak=int(loss_peak), loss_peak_other=int(loss_peak_other), block_backward=int(worst_block),
         optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()}, notes=notes)
+
+
+def _ep_local_backward_extra(block, args, lid, probe: BlockProbe, rope, mb, seq, dtype, ac, spec, layout,
+                             mode, notes, autocast=None) -> int:
+    n_exp = getattr(args, "n_routed_experts", None)
+    half = n_exp // 2 if n_exp else 0
+    groups = getattr(args, "n_expert_groups", 1) or 1
+    ok = bool(half) and half % groups == 0 and \
+        args.n_activated_experts <= half // groups * min(groups, getattr(args, "n_limited_groups", groups) or groups)
+    if ok:
+        with torch.device("meta"):
+            half_block = type(block)(lid, dataclasses.replace(args, n_routed_experts=half))
+        pr2 = probe_block(half_block, rope, mode=mode, batch=mb, seq=seq, dtype=dtype, ac_cfg=ac,
+                          extra_save_ops=spec.sac_save_ops, force_recompute_fqns=spec.sac_force_recompute_fqns,
+                          tp=layout.tp, layer_id=lid, autocast=autocast)
+        per_expert = (probe.backward_extra - pr2.backward_extra) / (n_exp - half)
+        return int(max(0, probe.backward_extra - per_expert * (n_exp - n_exp / layout.ep)))
+    notes.append("EP: could not re-probe a block with fewer experts; subtracted only the non-local expert grads")
+    return int(max(0, probe.backward_extra - probe.expert_grad_bytes * (layout.ep - 1) / layout.ep))
 
 
 def _optimizer_impl(cfg, device: str) -> str:
@@ -811,53 +869,68 @@ class ValidationCase:
     nproc: int = 1
 
 
-def run_measurement(case: ValidationCase, workdir: str, timeout: int = 300) -> list[dict]:
-    """Runs `measure_step` for `case` in fresh process(es) (torchrun for nproc > 1) with
-    MALLOC_ENV; returns one result per rank."""
+def run_measurements(cases: list[ValidationCase], workdir: str, timeout: int = 300) -> dict[str, list[dict]]:
+    """Runs `measure_step` for every case in fresh processes with MALLOC_ENV: the
+    single-rank cases one after the other in one process (each measures its own
+    baseline after its warm-up, and the fixed mmap threshold returns the previous
+    case's memory), each multi-rank case under its own torchrun. Returns, per case
+    name, one result per rank."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    out = Path(workdir) / f"{case.name}.json"
-    argv = list(case.argv) + ["--job.dump_folder", str(Path(workdir) / case.name)]
     env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(repo)}
-    if case.nproc == 1:
-        cmd = [sys.executable, "-m", "trainer.memory", "--measure", str(out), *argv]
-    else:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(case.nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "trainer.memory",
-               "--measure", str(out), *argv]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measurement {case.name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(case.nproc)]
+    results: dict[str, list[dict]] = {}
+    single = [c for c in cases if c.nproc == 1]
+    groups = ([single] if single else []) + [[c] for c in cases if c.nproc > 1]
+    for gi, group in enumerate(groups):
+        spec_path = Path(workdir) / f"cases{gi}.json"
+        spec_path.write_text(json.dumps([
+            {"name": c.name, "argv": list(c.argv) + ["--job.dump_folder", str(Path(workdir) / c.name)],
+             "out": str(Path(workdir) / f"{c.name}.json")} for c in group]))
+        nproc = group[0].nproc
+        cmd = [sys.executable, "-m", "trainer.memory", "--measure-cases", str(spec_path)]
+        if nproc > 1:
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *cmd[1:]]
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"measurement of {[c.name for c in group]} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        for c in group:
+            out = Path(workdir) / f"{c.name}.json"
+            results[c.name] = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(c.nproc)]
+    return results
 
 
-def validate_case(case: ValidationCase, workdir: str, timeout: int = 300) -> dict:
-    """Estimate (cpu, world = nproc) vs measurement (worst rank) for one case."""
+def validate_cases(cases: list[ValidationCase], workdir: str, timeout: int = 300) -> list[dict]:
+    """Estimate (cpu, world = nproc) vs measurement (worst rank) for each case."""
     from trainer.config import load_config
 
-    est = estimate_memory(load_config(list(case.argv)), case.nproc, device="cpu")
-    ranks = run_measurement(case, workdir, timeout)
-    m = max(ranks, key=lambda r: r["peak_growth"])
-    saved = max(r["saved_bytes"] for r in ranks)
-    measured_total = m["persistent_bytes"] + m["peak_growth"]
-    return {
-        "case": case.name, "nproc": case.nproc, "ac": est.ac_mode, "chunked_ce": est.chunked_ce,
-        "est_saved": est.saved_activations, "meas_saved": saved,
-        "saved_err": est.saved_activations / saved - 1,
-        "est_step_peak": est.step_peak, "meas_peak_growth": m["peak_growth"],
-        "peak_err": est.step_peak / m["peak_growth"] - 1,
-        "est_total": est.total, "meas_total": measured_total, "total_err": est.total / measured_total - 1,
-        "peak_phase": max(est.phases, key=est.phases.get), "hwm_used": m["hwm_used"],
-    }
+    measured = run_measurements(cases, workdir, timeout)
+    rows = []
+    for case in cases:
+        est = estimate_memory(load_config(list(case.argv)), case.nproc, device="cpu")
+        ranks = measured[case.name]
+        m = max(ranks, key=lambda r: r["peak_growth"])
+        saved = max(r["saved_bytes"] for r in ranks)
+        measured_total = m["persistent_bytes"] + m["peak_growth"]
+        rows.append({
+            "case": case.name, "nproc": case.nproc, "ac": est.ac_mode, "chunked_ce": est.chunked_ce,
+            "est_saved": est.saved_activations, "meas_saved": saved,
+            "saved_err": est.saved_activations / saved - 1,
+            "est_step_peak": est.step_peak, "meas_peak_growth": m["peak_growth"],
+            "peak_err": est.step_peak / m["peak_growth"] - 1,
+            "est_total": est.total, "meas_total": measured_total, "total_err": est.total / measured_total - 1,
+            "peak_phase": max(est.phases, key=est.phases.get), "hwm_used": m["hwm_used"],
+        })
+    return rows
 
 
 def format_validation(rows: list[dict]) -> str:
@@ -874,18 +947,20 @@ def format_validation(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _measure_main(argv: list[str]) -> int:
+def _measure_main(spec_path: str) -> int:
     import json
-    out, rest = argv[1], argv[2:]
-    result = measure_step(rest)
-    with open(f"{out}.rank{result['rank']}", "w") as f:
-        json.dump(result, f)
+    for case in json.loads(open(spec_path).read()):
+        result = measure_step(case["argv"])
+        with open(f"{case['out']}.rank{result['rank']}", "w") as f:
+            json.dump(result, f)
+        gc.collect()
+        _malloc_trim()
     return 0
 
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) >= 2 and sys.argv[1] == "--measure":
-        sys.exit(_measure_main(sys.argv[1:]))
-    print("usage: python -m trainer.memory --measure OUT.json <trainer args>  (see scripts/estimate_memory.py)")
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure-cases":
+        sys.exit(_measure_main(sys.argv[2]))
+    print("usage: python -m trainer.memory --measure-cases CASES.json  (see scripts/estimate_memory.py --validate)")
     sys.exit(2)
