@@ -11,6 +11,7 @@ Public surface
   compile and FSDP). State-dict keys do not change.
 - `default_save_ops(extra)`, `MATMUL_OPS`, `OpSACPolicy`, `op_sac_context_fn(...)`:
   the op-level selective-checkpointing (SAC) policy and its op sets.
+- `block_mode(cfg, layer_id)`: what a given block gets (selective resolves per layer).
 - `SavedActivationCounter`, `saved_activation_bytes(block, *inputs, mode=..., cfg=...)`:
   exact count of the activation bytes kept for backward, including what the SAC
   cache holds; works on real tensors, under `FakeTensorMode` and on the meta device.
@@ -28,6 +29,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,13 +379,22 @@ class OpSACPolicy:
         policy, verdict, note = self.decide(func, is_recompute, args, out)
         if self.trace:
             _trace(func, verdict, note)
-        if policy is P.MUST_SAVE and not is_recompute and _ACTIVE_COUNTERS:
+        if policy is P.MUST_SAVE and not is_recompute and _ACTIVE_COUNTERS and not _tracing_for_compile():
+            # (While torch.compile traces, op_output is symbolic; the compiled graph's own
+            # saved tensors are what the outer hook then counts.)
             if not hasattr(ctx, "op_output"):
                 raise RuntimeError("counting the SAC cache needs SelectiveCheckpointContext.op_output "
                                    f"(torch >= 2.10); this is torch {torch.__version__}")
             for counter in _ACTIVE_COUNTERS:
                 counter.add(out, "sac_cache")
         return policy
+
+
+def _tracing_for_compile() -> bool:
+    try:
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    except Exception:  # noqa: BLE001
+        return torch.compiler.is_compiling()
 
 
 def _is_device_to_host(args, out) -> bool:
@@ -472,6 +483,15 @@ def _layer_id(name: str, position: int) -> int:
 def _selected_for_selective(name: str, position: int, interval: int) -> bool:
     # Keyed on the global layer id, so a pipeline stage picks the same blocks as one process.
     return _layer_id(name, position) % interval == 0
+
+
+def block_mode(cfg: ActivationCheckpointConfig, layer_id: int) -> str:
+    """How block `layer_id` is treated under `cfg`: "none", "full", "op" or
+    "memory_budget" (selective resolves to "full" or "none" by layer id)."""
+    mode = _parse_mode(cfg.mode)
+    if mode == "selective":
+        return "full" if layer_id % cfg.selective_layer_interval == 0 else "none"
+    return mode
 
 
 def _wrap_block(block: nn.Module, mode: str, cfg: ActivationCheckpointConfig, *, extra_save_ops: Iterable,
@@ -662,7 +682,7 @@ def saved_activation_bytes(block: nn.Module, *inputs: Any, mode: str = "op",
         raise ValueError(f"saved_activation_bytes: mode {mode!r} is not one of {', '.join(AC_MODES)}")
     block = unwrap_block(block)
     if mode == "selective":
-        mode = "full" if layer_id % cfg.selective_layer_interval == 0 else "none"
+        mode = block_mode(dataclasses.replace(cfg, mode="selective"), layer_id)
     exclude = list(block.parameters()) + list(block.buffers())
     exclude += [t for t in inputs if isinstance(t, torch.Tensor) and not t.requires_grad]
     context_fn = None
@@ -728,7 +748,7 @@ def flop_counter(**kwargs) -> torch.utils.flop_counter.FlopCounterMode:
 
 __all__ = [
     "AC_MODES", "ActivationCheckpointConfig", "MATMUL_OPS", "OpSACPolicy", "RUNTIME_OP_NAMESPACES",
-    "SavedActivationCounter", "apply_activation_checkpointing", "cpu_attention_flop_mapping",
+    "SavedActivationCounter", "apply_activation_checkpointing", "block_mode", "cpu_attention_flop_mapping",
     "default_save_ops", "flop_counter", "op_sac_context_fn", "reset_ac_trace", "saved_activation_bytes",
     "unwrap_block",
 ]
