@@ -64,6 +64,8 @@ def _legacy_rope(folder: Path) -> None:
     """Rewrites config.json with the legacy RoPE spelling (rope_theta + rope_scaling)."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
+    if "rope_parameters" not in cfg:  # transformers < 5 writes the legacy spelling already
+        return
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
     rope_type = rope.pop("rope_type", "default")
@@ -75,13 +77,17 @@ def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True,
                    legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if rope_scaling:  # original context 16: the llama3 scaling touches most frequencies at these lengths
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    # Legacy kwargs (rope_theta + rope_scaling) work in every transformers release; v5 saves them
+    # in the current format (rope_parameters). Original context 16: the llama3 scaling touches
+    # most frequencies at these lengths.
+    scaling = None
+    if rope_scaling:
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2 if gqa else 4, rms_norm_eps=1e-5,
-                      max_position_embeddings=256, rope_parameters=rope, tie_word_embeddings=tied)
+                      max_position_embeddings=256, rope_theta=500000.0 if rope_scaling else 10000.0,
+                      rope_scaling=scaling, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     _make_weights_matter(model, ("q_proj", "k_proj"), seed)
@@ -97,10 +103,10 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
                       vocab: int = 256, seed: int = 0) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    scaling = None
     if yarn:
-        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-                "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                   "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
     cfg = DeepseekV3Config(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
@@ -109,7 +115,7 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
         # with q LoRA: grouped sigmoid routing, normalised, scaled; without: 1 group, raw weights, 2 shared experts
         n_group=4 if q_lora else 1, topk_group=2 if q_lora else 1, norm_topk_prob=q_lora,
         routed_scaling_factor=2.5 if q_lora else 1.0, n_shared_experts=1 if q_lora else 2,
-        rope_parameters=rope, num_nextn_predict_layers=0)
+        rope_theta=10000.0, rope_scaling=scaling, num_nextn_predict_layers=0)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg)
     _make_weights_matter(model, ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"), seed)
@@ -127,11 +133,18 @@ CASES = {
 }
 
 
-def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+def load_hf_model(folder: Path):
+    """transformers' model in fp32 (`dtype` is `torch_dtype` before transformers 4.56)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(folder, **{key: torch.float32}).eval()
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = load_hf_model(folder)
     with torch.no_grad():
         return model(tokens).logits
 
@@ -161,6 +174,11 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_export_logits_parity(case, hf_dirs, tmp_path):
     src = hf_dirs[case]
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:  # both config.json spellings are covered
+        saved = json.loads((src / "config.json").read_text())
+        assert ("rope_parameters" in saved) != case.endswith("legacycfg")
     tokens = tokens_for(256)
     ref = hf_logits(src, tokens)
     model = our_model_from_hf(src)
@@ -228,8 +246,6 @@ def test_rope_layout_is_checked(hf_dirs):
 @pytest.mark.timeout(120)
 def test_export_bf16_and_sharded(hf_dirs, tmp_path):
     """export_dtype=bfloat16 writes bf16 (routing bias stays fp32); small shards give an index."""
-    from transformers import AutoModelForCausalLM
-
     src = hf_dirs["deepseek_qlora_yarn"]
     model = our_model_from_hf(src)
     out = tmp_path / "bf16"
@@ -246,7 +262,7 @@ def test_export_bf16_and_sharded(hf_dirs, tmp_path):
 
     # transformers reads it; its logits equal the fp32 model with bf16-rounded weights.
     tokens = tokens_for(256)
-    ref_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref_model = load_hf_model(src)
     with torch.no_grad():
         for n, p in ref_model.named_parameters():
             p.copy_(p.to(torch.bfloat16).float())

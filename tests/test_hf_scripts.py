@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.helpers import REPO, TINY, run_in_process  # noqa: E402
-from tests.test_hf_models import build_hf_deepseek, build_hf_llama, hf_logits, tokens_for  # noqa: E402
+from tests.test_hf_models import build_hf_deepseek, build_hf_llama, hf_logits, load_hf_model, tokens_for  # noqa: E402
 from trainer.hf_io import HFReader, register_hf_flavor  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -76,13 +76,11 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_generate_greedy_matches_transformers_and_sampling(tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     src = build_hf_llama(tmp_path / "hf", vocab=2048)
     model = gen_script.load_model(str(src))
     prompt = [2032, 17, 400, 1200, 9]
     ours = gen_script.generate(model, prompt, 12, temperature=0)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = load_hf_model(src)
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                       pad_token_id=0)[0, len(prompt):].tolist()
     assert ours == ref

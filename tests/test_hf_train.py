@@ -1,4 +1,4 @@
-"""HF import in real training runs: 1 rank in-process, FSDP 2, TP 2 and PP 2 under torchrun.
+"""HF import in real training runs: 1 rank in-process; FSDP 2, TP 2, PP 2 and FSDP 2 x TP 2 under torchrun.
 
 Each run starts from a random HF checkpoint (checkpoint.initial_load_in_hf) and
 must (a) give the same logits as transformers on fixed tokens, (b) have a first
@@ -54,6 +54,35 @@ def _local_logits(model, tokens):
     return out.full_tensor() if isinstance(out, DTensor) else out
 
 
+def _check_region_reads(model_parts, hf: Path) -> int:
+    """Every sharded parameter read region by region equals the whole tensor read and then
+    distributed, and equals what the trainer loaded; returns how many DTensors were checked."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from models.hf_config import read_hf_config
+    from trainer.hf_io import HFReader, _local_region, _materialize, spec_for_model
+
+    spec = spec_for_model(model_parts[0])
+    recipes = spec.state_dict_adapter(model_parts[0].args, read_hf_config(hf)).recipes()
+    reader = HFReader(hf)
+    checked = 0
+    for part in model_parts:
+        for k, v in get_model_state_dict(part).items():
+            if isinstance(v, DTensor):
+                fast = _materialize(recipes[k], v, reader.get)
+                slow = _materialize(recipes[k], v, reader.get, force_full=True)
+                assert fast.placements == v.placements and torch.equal(fast.to_local(), slow.to_local()), k
+                assert torch.equal(fast.to_local(), v.to_local()), k
+                checked += 1
+                _PLACEMENTS.add((repr(v.placements), _local_region(v) is not None))
+    reader.close()
+    return checked
+
+
+_PLACEMENTS: set = set()  # (placements, read by region) seen by _check_region_reads
+
+
 def run_and_record(hf: Path, args: list[str]) -> dict:
     """Builds a trainer on the HF folder's own args, records logits before / after
     training and the batches drawn; returns them (used in-process and by the worker)."""
@@ -65,6 +94,8 @@ def run_and_record(hf: Path, args: list[str]) -> dict:
     trainer = Trainer(load_config(["--model.name", name, "--model.flavor", flavor, *args]))
     rec: dict = {"dp_rank": trainer.dp_rank, "batches": []}
     try:
+        rec["sharded_checked"] = _check_region_reads(trainer.model_parts, hf)
+        rec["placements"] = sorted(_PLACEMENTS)
         pp = trainer.dims.pp_enabled
         if not pp:
             rec["logits_before"] = _local_logits(trainer.model_parts[0], _fixed_tokens())
@@ -101,9 +132,9 @@ def _worker(argv: list[str]) -> None:
 
 
 def _hf_model(folder):
-    from transformers import AutoModelForCausalLM
+    from tests.test_hf_models import load_hf_model
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return load_hf_model(folder)
 
 
 def _hf_loss(model, batches) -> float:
@@ -163,17 +194,22 @@ def test_one_rank_run_from_hf(model, hf_folders, tmp_path):
     _check_record({**rec, "batches": rec["batches"][:1]}, hf_folders[model], losses[0], f"{model} 1 rank")
 
 
-LAYOUTS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+LAYOUTS = {  # layout -> (ranks, args)
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    # FSDP over TP: FSDP shards TP-sharded weights with _StridedShard placements.
+    "fsdp2xtp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("model,layout", [("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"),
-                                          ("deepseek", "fsdp2")])
-def test_two_rank_import_matches_hf(model, layout, hf_folders, tmp_path):
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,layout", [
+    ("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"), ("deepseek", "fsdp2"),
+    pytest.param("llama", "fsdp2xtp2", marks=pytest.mark.slow),
+])
+def test_multi_rank_import_matches_hf(model, layout, hf_folders, tmp_path):
     from models import get_model_spec
     from tests.helpers import losses_by_step, torchrun
 
@@ -183,16 +219,19 @@ def test_two_rank_import_matches_hf(model, layout, hf_folders, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     hf = hf_folders[model]
-    torchrun(2, [str(out), str(hf), "--", *_train_args(tmp_path, hf, steps=1, extra=LAYOUTS[layout])],
-             module="tests.test_hf_train", timeout=220)
-    recs = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks, extra = LAYOUTS[layout]
+    torchrun(ranks, [str(out), str(hf), "--", *_train_args(tmp_path, hf, steps=1, extra=extra)],
+             module="tests.test_hf_train", timeout=280)
+    recs = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
     first_loss = losses_by_step(tmp_path)[1]
     # One copy of each data-parallel rank's batches.
     by_dp = {rec["dp_rank"]: rec["batches"] for rec in recs}
     merged = {**recs[0], "batches": [b for dp in sorted(by_dp) for b in by_dp[dp]]}
     _check_record(merged, hf, first_loss, f"{model} {layout}")
+    if layout != "pp2":  # PP alone leaves plain tensors
+        assert all(rec["sharded_checked"] > 0 for rec in recs)
     if "logits_before" in recs[1]:  # every rank sees the same full logits
-        assert torch.equal(recs[0]["logits_before"], recs[1]["logits_before"])
+        assert all(torch.equal(recs[0]["logits_before"], r["logits_before"]) for r in recs)
 
 
 if __name__ == "__main__":

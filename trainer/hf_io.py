@@ -140,13 +140,26 @@ class HFReader:
 
 
 def _local_region(t: DTensor) -> Region | None:
-    """The rectangle of the global tensor this rank holds, for Shard/Replicate placements
-    (DTensor's chunking: ceil-sized chunks, applied mesh dim by mesh dim); None when the
-    local block is not a simple rectangle or this rank is not in the mesh."""
-    if not all(type(p) in (Shard, Replicate) for p in t.placements):
-        return None
+    """The rectangle of the global tensor this rank holds; None when this rank is not in
+    the mesh or the local block is not a rectangle (callers then distribute the whole).
+
+    Uses DTensor's own (private) shape/offset helper, the one DCP relies on, which also
+    knows FSDP-over-TP `_StridedShard`; without it, only Shard/Replicate placements are
+    handled (ceil-sized chunks, applied mesh dim by mesh dim)."""
     coord = t.device_mesh.get_coordinate()
     if coord is None:
+        return None
+    local_shape = tuple(t.to_local().shape)
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(shape) == local_shape:
+            return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offset, shape))
+        return None
+    except (ImportError, TypeError, ValueError):
+        pass
+    if not all(type(p) in (Shard, Replicate) for p in t.placements):
         return None
     starts, sizes = [0] * t.ndim, list(t.shape)
     for mesh_dim, p in enumerate(t.placements):
@@ -156,15 +169,17 @@ def _local_region(t: DTensor) -> Region | None:
             off = min(c * chunk, sizes[d])
             starts[d] += off
             sizes[d] = max(0, min(chunk, sizes[d] - off))
-    if tuple(sizes) != tuple(t.to_local().shape):
+    if tuple(sizes) != local_shape:
         return None
     return tuple(slice(s, s + n) for s, n in zip(starts, sizes))
 
 
-def _materialize(recipe, value: torch.Tensor, get) -> torch.Tensor:
+def _materialize(recipe, value: torch.Tensor, get, force_full: bool = False) -> torch.Tensor:
+    """`value`'s tensor from the HF recipe, as a plain tensor or a DTensor laid out like
+    `value` (force_full: always take the build-whole-then-distribute path; for tests)."""
     if isinstance(value, DTensor):
         local = value.to_local()
-        region = _local_region(value)
+        region = None if force_full else _local_region(value)
         if region is not None:
             if any(n == 0 for n in region_shape(region)):
                 block = torch.empty(region_shape(region), dtype=value.dtype)
