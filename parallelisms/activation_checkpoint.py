@@ -15,8 +15,9 @@ Public surface
 - `SavedActivationCounter`, `saved_activation_bytes(block, *inputs, mode=..., cfg=...)`:
   exact count of the activation bytes kept for backward, including what the SAC
   cache holds; works on real tensors, under `FakeTensorMode` and on the meta device.
-- `cpu_attention_flop_mapping()`, `flop_counter()`: `FlopCounterMode` that also counts
-  CPU flash attention (forward and backward).
+- `cpu_attention_flop_mapping()`, `extra_flop_mapping()`, `flop_counter()`:
+  `FlopCounterMode` that also counts CPU flash attention (forward and backward) and
+  MoE grouped GEMMs.
 - `reset_ac_trace()`: forget which ops were already logged by `AC_TRACE=1`.
 """
 
@@ -724,6 +725,31 @@ def cpu_attention_flop_mapping() -> dict:
     return mapping
 
 
+def extra_flop_mapping() -> dict:
+    """`cpu_attention_flop_mapping()` plus the grouped GEMMs of MoE experts
+    (`aten._grouped_mm`, `aten._scaled_grouped_mm`), also missing from the registry."""
+    mapping = cpu_attention_flop_mapping()
+    for name in ("_grouped_mm", "_scaled_grouped_mm"):
+        op = _lookup("aten", name)
+        if op is not None:
+            mapping[op] = _grouped_mm_flop
+    return mapping
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """Each row (or column) meets exactly one group's matrix, so the count is that of one
+    plain matmul over all rows: [M,K]x[G,K,N] -> 2MKN; [G,M,K]x[K,N] -> 2MKN;
+    [K,M]x[M,N] (weight grads, offsets over M) -> 2KMN; [G,M,K]x[G,K,N] -> 2GMKN."""
+    a, b = list(a_shape), list(b_shape)
+    if len(a) == 3 and len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * b[1]
+
+
 # FlopCounterMode passes shapes: (query, key, value, dropout_p, is_causal, ...) and
 # (grad_out, query, key, value, out, logsumexp, ...). Like the CUDA backends' formulas,
 # these ignore causal masking.
@@ -739,16 +765,16 @@ def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape,
 
 
 def flop_counter(**kwargs) -> torch.utils.flop_counter.FlopCounterMode:
-    """FlopCounterMode(display=False) that also counts CPU flash attention."""
+    """FlopCounterMode(display=False) that also counts CPU flash attention and grouped GEMMs."""
     from torch.utils.flop_counter import FlopCounterMode
     kwargs.setdefault("display", False)
-    mapping = {**cpu_attention_flop_mapping(), **kwargs.pop("custom_mapping", {})}
+    mapping = {**extra_flop_mapping(), **kwargs.pop("custom_mapping", {})}
     return FlopCounterMode(custom_mapping=mapping, **kwargs)
 
 
 __all__ = [
     "AC_MODES", "ActivationCheckpointConfig", "MATMUL_OPS", "OpSACPolicy", "RUNTIME_OP_NAMESPACES",
     "SavedActivationCounter", "apply_activation_checkpointing", "block_mode", "cpu_attention_flop_mapping",
-    "default_save_ops", "flop_counter", "op_sac_context_fn", "reset_ac_trace", "saved_activation_bytes",
+    "default_save_ops", "extra_flop_mapping", "flop_counter", "op_sac_context_fn", "reset_ac_trace", "saved_activation_bytes",
     "unwrap_block",
 ]

@@ -82,6 +82,7 @@ class ExpertParallelDispatcher:
         if num_experts % self.ep:
             raise ValueError(f"{num_experts} experts cannot be split over {self.ep} EP ranks")
         self.num_local = num_experts // self.ep
+        self.empty_calls = 0  # forwards in which this rank received no row (tests read it)
 
     def exchange_counts(self, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """[E] counts for every expert -> [ep, E/ep]: row r = rows peer r sends to each local expert."""
@@ -109,6 +110,7 @@ class ExpertParallelDispatcher:
         local_counts = recv.sum(dim=0)
         n_rows = rows.shape[0]
         if n_rows == 0:
+            self.empty_calls += 1
             # Keep the graph through `received` (its backward is a collective) and give the
             # experts one padding row (past sum(local_counts), dropped below).
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])

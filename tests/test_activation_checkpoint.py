@@ -618,3 +618,16 @@ def test_state_dict_keys_are_the_same_in_every_mode():
             fresh.load_state_dict(models[src].state_dict(), strict=True)
             for k, v in fresh.state_dict().items():
                 assert torch.equal(v, base.state_dict()[k])
+
+
+def test_flop_counter_counts_grouped_mm():
+    e, t, k, n = 4, 64, 32, 48
+    x = torch.randn(t, k, requires_grad=True)
+    w = torch.randn(e, k, n, requires_grad=True)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    with flop_counter() as fwd:
+        y = torch._grouped_mm(x, w, offs=offs)
+    with flop_counter() as bwd:
+        y.backward(torch.randn(t, n))  # grad x: [T,N]x[E,N,K]; grad w: [K,T]x[T,N]
+    assert fwd.get_total_flops() == 2 * t * k * n
+    assert bwd.get_total_flops() == 2 * (2 * t * k * n)

@@ -11,6 +11,10 @@ DTensors with plain tensors.
   whole heads: `wq`, or `wq_b` with q LoRA, and `wkv_b`), `wo` is row-wise. The
   low-rank down projections and their norms (`wq_a`, `q_norm`, `wkv_a`, `kv_norm`) are
   replicated: their outputs (the q / kv latents and the shared rope key) feed all heads.
+  The latents' gradients are summed over TP by the column-wise layers' input handling;
+  the rope key (the last `qk_rope_head_dim` outputs of `wkv_a`) is broadcast to this
+  rank's heads inside MLA.forward, so its gradient is only this rank's heads' share: a
+  hook on `wkv_a` all-reduces the gradient of those columns over TP.
 - MoE blocks. With sequence parallel the MoE runs on each TP rank's own sequence shard:
   no communication at its boundary, the router gate is replicated (gradient summed over
   TP by DTensor), routed experts are replicated with a partial gradient (ep = 1) or
@@ -25,6 +29,8 @@ DTensors with plain tensors.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -45,6 +51,28 @@ class _ReplicateParams(ParallelStyle):
                                                            requires_grad=param.requires_grad))
 
         return distribute_module(module, device_mesh, partition)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity; in backward, all-reduces (sum) the gradient's last-dim columns [start:) over `group`."""
+
+    @staticmethod
+    def forward(ctx, x, start: int, group):
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        head = grad[..., : ctx.start]
+        tail = funcol.all_reduce(grad[..., ctx.start:].contiguous(), "sum", ctx.group)
+        return torch.cat([head, tail], dim=-1), None, None
+
+
+def _sum_rope_key_grad_hook(start: int, group):
+    def hook(module, args, output):
+        return _SumGradOverTP.apply(output, start, group)
+
+    return hook
 
 
 def _moe_plan(prefix: str, sp: bool, ep: int, plan: dict) -> None:
@@ -116,6 +144,9 @@ def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
             plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
             plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
     tp.apply_plan(model, tp_mesh, plan)
+    for block in model.layers.values():
+        att = block.attention
+        att.wkv_a.register_forward_hook(_sum_rope_key_grad_hook(att.kv_lora_rank, tp_mesh.get_group()))
     if sp and ep <= 1:
         # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
         for block in model.layers.values():
