@@ -1,4 +1,5 @@
-"""HF import in real training runs: 1 rank in-process; FSDP 2, TP 2, PP 2 and FSDP 2 x TP 2 under torchrun.
+"""HF import in real training runs: 1 rank in-process; FSDP 2, TP 2, PP 2, FSDP 2 x TP 2 and
+(DeepSeek) EP 2 under torchrun.
 
 Each run starts from a random HF checkpoint (checkpoint.initial_load_in_hf) and
 must (a) give the same logits as transformers on fixed tokens, (b) have a first
@@ -200,22 +201,28 @@ LAYOUTS = {  # layout -> (ranks, args)
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # FSDP over TP: FSDP shards TP-sharded weights with _StridedShard placements.
     "fsdp2xtp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    # DeepSeek: routed experts sharded over EP (Shard(0) of the grouped tensors), the rest FSDP.
+    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,layout", [
-    ("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"), ("deepseek", "fsdp2"),
+    ("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"), ("deepseek", "ep2"),
     pytest.param("llama", "fsdp2xtp2", marks=pytest.mark.slow),
+    pytest.param("deepseek", "fsdp2", marks=pytest.mark.slow),
+    pytest.param("deepseek", "tp2", marks=pytest.mark.slow),
 ])
 def test_multi_rank_import_matches_hf(model, layout, hf_folders, tmp_path):
     from models import get_model_spec
     from tests.helpers import losses_by_step, torchrun
 
     spec = get_model_spec("llama3" if model == "llama" else "deepseek_v3")
-    if layout == "tp2" and spec.tensor_parallel_fn is None:
+    if "tp" in layout and spec.tensor_parallel_fn is None:
         pytest.skip(f"{spec.name} has no TP plan yet")
+    if layout == "ep2" and spec.expert_parallel_fn is None:
+        pytest.skip(f"{spec.name} has no EP yet")
     out = tmp_path / "out"
     out.mkdir()
     hf = hf_folders[model]
