@@ -19,7 +19,9 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     """Shards `model` (one model part) over `mesh` (1-D FSDP, or 2-D replicate x shard for HSDP)."""
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator; on a CPU-only run the policy just keeps
+        # everything where it already is.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     # With PP the same params run forward once per microbatch; keeping them gathered
     # avoids an all-gather per microbatch, so "default" means no reshard under PP.
     reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
