@@ -113,7 +113,8 @@ def check_config(argv: list[str]) -> int:
 
     cfg = main_guard(argv)  # prints `config error: ...` and exits 2 on a bad config
     print(f"config ok: {cfg.job.config_file or '(defaults)'} model={cfg.model.name}/{cfg.model.flavor} "
-          f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder}", flush=True)
+          f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
+          f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
     return 0
 
 
