@@ -632,8 +632,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     autocast_cache = 0
     if autocast is not None:
         csize = torch.tensor([], dtype=autocast).element_size()
-        autocast_cache = sum(params[n].numel() * csize for lid in layer_ids_rank0 if modes[lid] != "none"
-                             for n in units.get(f"layers.{lid}", []) if params[n].dim() == 2)
+        autocast_cache = sum(math.prod(_tp_sharded(n, params[n], layout.tp)) * csize for lid in layer_ids_rank0
+                             if modes[lid] != "none" for n in units.get(f"layers.{lid}", []) if params[n].dim() == 2)
     phases["forward+loss"] = fsdp_buffers + accum_grads + activations + head.forward_peak + autocast_cache
     phases["loss backward"] = fsdp_buffers + accum_grads + activations + head.backward_peak
     # Backward through the blocks, last first: blocks before i still hold activations,
@@ -650,8 +650,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     opt_tmp = p_bytes if _optimizer_impl(cfg, device) == "foreach" else 0
     phases["optimizer step"] = grads + opt_tmp
     if layout.fsdp is False and layout.world > 1 and par.data_parallel_shard_degree == -1:
-        notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding and fp32 "
-                     "compute; pass --ngpu (e.g. several nodes) to lay the config out with FSDP")
+        notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding (params, "
+                     "grads and optimizer states replicated over the data-parallel ranks); pass --ngpu (e.g. several nodes) to lay the config out with FSDP")
     if offload:
         phases["optimizer step"] = 0
         p_bytes_gpu, grads, optimizer = 0, 0, 0

@@ -1,0 +1,123 @@
+"""The memory estimator: runs on the meta device for the shipped configs, and agrees with a
+real training step on this CPU (saved activation bytes within 5%, peak within 15%)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.memory import (
+    LiveBytesTracker,
+    ValidationCase,
+    default_world_size,
+    estimate_memory,
+    format_validation,
+    validate_cases,
+)
+
+DEBUG = ["--config", "llama_debug.toml", "--training.dataset", "synthetic", "--metrics.enable_tensorboard", "false",
+         "--loss.ce_chunk_size", "128"]
+
+
+def _check_rows(rows):
+    text = format_validation(rows)
+    for r in rows:
+        assert r["hwm_used"], text
+        assert abs(r["saved_err"]) <= 0.05, text
+        assert abs(r["peak_err"]) <= 0.15, text
+        assert abs(r["total_err"]) <= 0.15, text
+    return text
+
+
+@pytest.mark.timeout(500)
+def test_estimate_matches_a_real_step_single_rank(tmp_path):
+    cases = [ValidationCase(f"{mode}{'-chunked' if chunked else ''}",
+                            DEBUG + ["--activation_checkpoint.mode", mode, "--loss.chunked_ce", str(chunked).lower()])
+             for mode in ("none", "op") for chunked in (False, True)]
+    rows = validate_cases(cases, str(tmp_path), timeout=450)
+    print(_check_rows(rows))
+    by = {r["case"]: r for r in rows}
+    # Chunked CE keeps less for backward, by at least the fp32 log-probs of the logits.
+    logits = 4 * 256 * 2048 * 4
+    for mode in ("none", "op"):
+        assert by[mode]["meas_saved"] - by[f"{mode}-chunked"]["meas_saved"] >= logits
+        assert by[mode]["est_saved"] - by[f"{mode}-chunked"]["est_saved"] >= logits
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(500)
+def test_estimate_matches_a_real_step_two_rank_fsdp(tmp_path):
+    rows = validate_cases([ValidationCase("fsdp2-full", DEBUG + ["--activation_checkpoint.mode", "full"], nproc=2)],
+                          str(tmp_path), timeout=450)
+    print(_check_rows(rows))
+
+
+def test_live_bytes_tracker_follows_frees():
+    with LiveBytesTracker() as t:
+        a = torch.ones(1000)
+        b = torch.ones(3000)
+        del a
+        c = b * 2
+        assert t.sample() == 6000 * 4 and t.peak == 6000 * 4  # a was freed before c existed
+        del b, c
+        assert t.sample() == 0
+
+
+def test_default_world_size_fits_the_degrees():
+    assert default_world_size(load_config(["--config", "llama8b.toml"]).parallelism) == 8
+    assert default_world_size(load_config(["--config", "llama405b.toml"]).parallelism) == 64
+    # PP 8 x EP 64 (EP borrows dp_shard): 512 ranks, as the config's comment says.
+    assert default_world_size(load_config(["--config", "deepseek_v3_671b.toml"]).parallelism) == 512
+
+
+@pytest.mark.timeout(300)
+def test_estimates_for_the_shipped_configs_on_meta(capsys):
+    from scripts.estimate_memory import main
+
+    # Llama 3 8B on 8 GPUs: FSDP over 8, bf16 compute; exact param shards and optimizer states.
+    cfg = load_config(["--config", "llama8b.toml"])
+    est = {}
+    for mode in ("none", "full", "op"):
+        for chunked in (False, True):
+            c = load_config(["--config", "llama8b.toml", "--activation_checkpoint.mode", mode,
+                             "--loss.chunked_ce", str(chunked).lower()])
+            est[mode, chunked] = estimate_memory(c, 8)
+    e = est["op", False]
+    from models import get_model_spec
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors["8B"])
+    shard_bytes = sum(math.ceil(p.shape[0] / 8) * math.prod(p.shape[1:]) * 4 for p in model.parameters())
+    assert e.params == e.grads == shard_bytes and e.optimizer == 2 * shard_bytes
+    assert e.compute_dtype == "bfloat16" and e.tokens_per_microbatch == 8192 and e.blocks_on_rank == 32
+    # Full AC keeps only each block's bf16 input.
+    assert est["full", False].activations_per_block == {"full/dense": 8192 * 4096 * 2}
+    acts = {m: est[m, False].activations for m in ("none", "full", "op")}
+    assert acts["none"] > acts["op"] > acts["full"]
+    logits_fp32 = 8192 * 128256 * 4
+    for mode in ("none", "full", "op"):
+        plain, chunked = est[mode, False], est[mode, True]
+        assert plain.activations == chunked.activations
+        assert plain.loss_saved - chunked.loss_saved >= logits_fp32
+        assert plain.loss_peak - chunked.loss_peak >= logits_fp32
+        assert chunked.total < plain.total
+        assert plain.loss_peak_other == chunked.loss_peak and chunked.loss_peak_other == plain.loss_peak
+    del cfg
+
+    # Every shipped large config estimates on the meta device through the CLI.
+    for name in ("llama8b", "llama70b", "llama405b", "deepseek_v3_16b", "deepseek_v3_671b"):
+        assert main(["--config", f"{name}.toml"]) == 0
+        out = capsys.readouterr().out
+        assert "TOTAL (estimated peak per rank)" in out and "activations per block" in out, out
+    assert main(["--config", "llama70b.toml", "--ngpu", "64", "--json"]) == 0
+    import json
+    d = json.loads(capsys.readouterr().out)
+    assert d["world_size"] == 64 and d["layout"]["dp_shard"] == 8 and d["layout"]["tp"] == 8
+    assert d["total"] == d["params"] + d["optimizer"] + d["step_peak"]
+    # A config error is one line and exit code 2.
+    assert main(["--config", "llama405b.toml", "--ngpu", "12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error") and "\n" not in err
