@@ -144,9 +144,10 @@ class Trainer:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
         self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
-        # The rank that holds the loss logs: rank 0 of the last pipeline stage.
-        self.is_logging_rank = self.has_last_stage and self.dims.coordinate("dp") == 0 and \
-            self.dims.coordinate("tp") == 0
+        # Global rank 0 logs (what run_train.sh shows by default): train_step all-reduces the
+        # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm
+        # is global, so every rank holds the values it logs.
+        self.is_logging_rank = self.rank == 0
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_logging_rank,
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size)
