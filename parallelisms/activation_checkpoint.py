@@ -500,8 +500,8 @@ def _wrap_block(block: nn.Module, mode: str, cfg: ActivationCheckpointConfig, *,
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     kwargs: dict[str, Any] = {"preserve_rng_state": cfg.preserve_rng_state}
     if mode == "op":
-        kwargs["context_fn"] = op_sac_context_fn(extra_save_ops=extra_save_ops, force_recompute_fqns=force_recompute_fqns,
-                                                 block=block, prefix=prefix)
+        kwargs["context_fn"] = op_sac_context_fn(extra_save_ops=extra_save_ops,
+                                                 force_recompute_fqns=force_recompute_fqns, block=block, prefix=prefix)
     wrapped = checkpoint_wrapper(block, **kwargs)
     wrapped._ac_mode = mode  # read by apply_compile and by tests
     return wrapped
@@ -775,6 +775,7 @@ def flop_counter(**kwargs) -> torch.utils.flop_counter.FlopCounterMode:
 __all__ = [
     "AC_MODES", "ActivationCheckpointConfig", "MATMUL_OPS", "OpSACPolicy", "RUNTIME_OP_NAMESPACES",
     "SavedActivationCounter", "apply_activation_checkpointing", "block_mode", "cpu_attention_flop_mapping",
-    "default_save_ops", "extra_flop_mapping", "flop_counter", "op_sac_context_fn", "reset_ac_trace", "saved_activation_bytes",
+    "default_save_ops", "extra_flop_mapping", "flop_counter", "op_sac_context_fn", "reset_ac_trace",
+    "saved_activation_bytes",
     "unwrap_block",
 ]

@@ -17,10 +17,14 @@ compile fixed):
   backward proper. These are counted eagerly (compiled kernels are invisible to the
   counter), so for memory_budget the recompute is n/a.
 - recomp %: recompute FLOPs as a share of all the step's FLOPs.
-- tokens/s: forward + backward (no optimizer), after one warm-up step.
+- tokens/s: forward + backward (no optimizer), after one warm-up step; tok/cpu-s divides
+  by the process's CPU time instead of wall time, which is steadier on a shared machine
+  (on GPU it is meaningless: use tokens/s).
 - peak mem: peak RSS during the timed steps on CPU (Linux VmHWM, reset before them;
-  each mode runs in its own process), or peak allocated CUDA memory on GPU; "+act" is
-  that peak minus the memory held just before the steps (weights, gradients).
+  each mode runs in its own process), or peak allocated CUDA memory on GPU; "+step" is
+  that peak minus the memory held just before the steps (weights, gradients). It also
+  holds backward's transient buffers, and during a block's recompute that block's whole
+  activations, so it falls less than saved/block suggests.
 
 Bench flags: --block-8b, --modes none,full,..., --steps N (timed), --seq-len, --batch,
 --check-bytes (cross-check saved/block against saved_activation_bytes per block),
@@ -46,7 +50,6 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from parallelisms.activation_checkpoint import (  # noqa: E402
-    ActivationCheckpointConfig,
     SavedActivationCounter,
     apply_activation_checkpointing,
     flop_counter,
@@ -218,15 +221,17 @@ def run_mode(mode: str, opts, cfg) -> dict:
         _malloc_trim()  # hand freed heap pages back, so the baseline is what is really held
         _reset_peak_rss()
         base_mem = _rss_bytes()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(opts.steps):
         _loss(model, tokens).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
     return {"mode": mode, "saved_per_block": per_block, "saved_per_block_check": check, "fwd": fwd, "bwd": bwd,
-            "tokens_per_s": batch * seq * opts.steps / dt, "peak": peak, "peak_over_base": peak - base_mem,
+            "tokens_per_s": batch * seq * opts.steps / dt,
+            "tokens_per_cpu_s": batch * seq * opts.steps / max(cpu, 1e-9),
+            "peak": peak, "peak_over_base": peak - base_mem,
             "device": device.type, "compiled": compiled}
 
 
@@ -247,7 +252,7 @@ def print_table(rows: list[dict], title: str) -> None:
     base_bwd = next((r["bwd"] for r in rows if r["mode"] == "none" and r["bwd"] is not None), None)
     mem_name = "peak CUDA" if rows and rows[0]["device"] == "cuda" else "peak RSS"
     header = (f"{'mode':<14}{'saved/block':>13}{'fwd GFLOP':>11}{'bwd GFLOP':>11}{'recomp GFLOP':>14}"
-              f"{'recomp %':>10}{'tokens/s':>11}{mem_name:>13}{'+act':>12}")
+              f"{'recomp %':>10}{'tokens/s':>10}{'tok/cpu-s':>11}{mem_name:>12}{'+step':>12}")
     print(title)
     print(header)
     print("-" * len(header))
@@ -258,8 +263,8 @@ def print_table(rows: list[dict], title: str) -> None:
             rec, pure_bwd = r["bwd"] - base_bwd, base_bwd
         pct = "n/a" if rec is None else f"{100 * rec / (r['fwd'] + r['bwd']):.1f}%"
         print(f"{r['mode']:<14}{_fmt_bytes(r['saved_per_block']):>13}{_fmt_flops(r['fwd']):>11}"
-              f"{_fmt_flops(pure_bwd):>11}{_fmt_flops(rec):>14}{pct:>10}{r['tokens_per_s']:>11.0f}"
-              f"{_fmt_bytes(r['peak']):>13}{_fmt_bytes(r['peak_over_base']):>12}")
+              f"{_fmt_flops(pure_bwd):>11}{_fmt_flops(rec):>14}{pct:>10}{r['tokens_per_s']:>10.0f}"
+              f"{r['tokens_per_cpu_s']:>11.0f}{_fmt_bytes(r['peak']):>12}{_fmt_bytes(r['peak_over_base']):>12}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

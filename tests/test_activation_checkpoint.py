@@ -154,8 +154,9 @@ class _Ctx:
 
 
 # One block with 3 matmuls (odd): attention-ish then a 3rd projection.
-_BLOCK_OPS = [aten.mm.default, aten.add.Tensor, aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-              aten.silu.default, aten.mm.default, aten.topk.default, aten.view.default]
+_BLOCK_OPS = [aten.mm.default, aten.add.Tensor, aten.mm.default,
+              aten._scaled_dot_product_flash_attention_for_cpu.default, aten.silu.default, aten.mm.default,
+              aten.topk.default, aten.view.default]
 
 
 def _decisions(policy, is_recompute):
@@ -251,7 +252,8 @@ def test_runtime_ops_are_never_saved():
     import torch.distributed.fsdp  # noqa: F401 - registers torch.ops.fsdp.*
     policy = OpSACPolicy(default_save_ops({torch.ops.fsdp.all_gather_copy_in.default}))
     for op in (torch.ops.fsdp.all_gather_copy_in.default, torch.ops.fsdp.split_with_sizes_copy.default,
-               torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit._RecordFunction):
+               torch.ops.profiler._record_function_enter_new.default,
+               torch.ops.profiler._record_function_exit._RecordFunction):
         assert policy(_Ctx(False), op) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
