@@ -243,3 +243,22 @@ def test_multi_rank_import_matches_hf(model, layout, hf_folders, tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1:])
+
+
+@pytest.mark.timeout(120)
+def test_trainer_reports_bad_hf_folder_in_one_line(hf_folders, tmp_path, capsys):
+    """A flavor that does not match config.json, or a folder that is not an HF folder,
+    stops the trainer with exit code 2 and one line naming the problem."""
+    from trainer.train import main
+
+    base = ["--model.flavor", "debug_small", "--training.seq_len", str(SEQ), "--training.steps", "1",
+            "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true",
+            "--checkpoint.initial_load_in_hf", "true", "--metrics.enable_tensorboard", "false"]
+    assert main([*base, "--checkpoint.initial_load_path", str(hf_folders["llama"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match the llama3 model" in err[0] and "n_layers" not in err[0]
+    assert "ffn_hidden_dim: 160 != 192" in err[0]
+
+    assert main([*base, "--checkpoint.initial_load_path", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json not found" in err[0]
