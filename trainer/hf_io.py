@@ -2,12 +2,12 @@
 
 Import (`load_hf_into_model`): each native tensor is built by its model's adapter
 recipe (models/hf_config.py). For a DTensor parameter under FSDP / TP / EP the
-rank computes which rectangle of the global tensor it holds and reads only the
-bytes of that rectangle from the safetensors files (memory-mapped slices), then
-wraps it with `DTensor.from_local` on the parameter's own mesh and placements.
-Placements whose local block is not a rectangle (e.g. `_StridedShard`) fall back to
-building the full tensor and `distribute_tensor(..., src_data_rank=None)`, which
-slices locally without communication. We do not use DCP's HuggingFaceStorageReader:
+rank computes which rectangle of the global tensor it holds (FSDP-over-TP
+`_StridedShard` included) and reads only the bytes of that rectangle from the
+safetensors files (memory-mapped slices), then copies it into its local shard in
+place. A local block that is not a rectangle falls back to building the full tensor
+and `distribute_tensor(..., src_data_rank=None)` on the parameter's mesh and
+placements, which slices locally without communication. We do not use DCP's HuggingFaceStorageReader:
 our recipes (interleaved-RoPE row permutations, per-expert HF tensors stacked into
 grouped [E, in, out] tensors) are not 1:1 renames, and applying them region by
 region gives the same "read only your shard" property without HF-shaped DTensors.
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from models.hf_config import HFConfigError, HFStateDictAdapter, Region, full_region, read_hf_config, region_shape
@@ -193,6 +193,24 @@ def _materialize(recipe, value: torch.Tensor, get, force_full: bool = False) -> 
     return recipe.load(get, full_region(value.shape)).to(dtype=value.dtype, device=value.device).contiguous()
 
 
+@torch.no_grad()
+def _load_into(recipe, value: torch.Tensor, get) -> None:
+    """Fills `value` (a state-dict tensor sharing storage with the parameter or buffer) in
+    place from the HF recipe: only the local block is read, on the CPU, then copied (with
+    any dtype cast) into the local shard, so no second copy of the model is ever held."""
+    if isinstance(value, DTensor):
+        region = _local_region(value)
+        if region is None:
+            block = _materialize(recipe, value, get, force_full=True).to_local()
+        elif any(n == 0 for n in region_shape(region)):
+            return
+        else:
+            block = recipe.load(get, region)
+        value.to_local().copy_(block)
+    else:
+        value.copy_(recipe.load(get, full_region(value.shape)))
+
+
 def check_hf_matches(spec, args, hf_cfg: dict[str, Any], folder: str | Path) -> None:
     """Raises one line when the folder's config.json describes another model than `args`."""
     adapter_cls = spec.state_dict_adapter
@@ -223,9 +241,10 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
         adapter.check_hf_keys(reader.shapes(), str(folder))
         recipes = adapter.recipes()
         for part in model_parts:
-            sd = get_model_state_dict(part)
-            new = {k: _materialize(recipes[k], v, reader.get) for k, v in sd.items()}
-            set_model_state_dict(part, new, options=StateDictOptions(strict=True))
+            # Values share storage with the module's parameters / buffers (FSDP2 returns its
+            # sharded DTensor parameters), so filling them in place loads the model.
+            for k, v in get_model_state_dict(part).items():
+                _load_into(recipes[k], v, reader.get)
     finally:
         reader.close()
 
