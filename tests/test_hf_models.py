@@ -235,7 +235,8 @@ def test_rope_layout_is_checked(hf_dirs):
     for i in range(args.n_layers):
         for name, heads in (("wq", args.n_heads), ("wk", args.kv_heads)):
             key = f"layers.{i}.attention.{name}.weight"
-            perm = half_rope_rows_perm(heads * args.head_dim, [(h * args.head_dim, args.head_dim) for h in range(heads)])
+            hd = args.head_dim
+            perm = half_rope_rows_perm(heads * hd, [(h * hd, hd) for h in range(heads)])
             sd[key] = sd[key][perm]
     model = spec.model_cls(args)
     model.load_state_dict(sd)

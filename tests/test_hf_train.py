@@ -19,7 +19,6 @@ The file doubles as the torchrun worker: `python -m tests.test_hf_train OUT HF -
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -160,14 +160,16 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
         require(cfg.get("model_type", "deepseek_v3") == "deepseek_v3",
                 f"{where}: model_type {cfg.get('model_type')!r} is not 'deepseek_v3'")
         if cfg.get("quantization_config"):
-            raise HFConfigError(f"hf error: {where}: quantized checkpoints ({cfg['quantization_config'].get('quant_method', '?')}) "
-                                "are not supported; dequantize to bf16 first")
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise HFConfigError(f"hf error: {where}: quantized checkpoints ({method}) are not supported; "
+                                "dequantize to bf16 first")
         check_known_fields(cfg, _KNOWN_FIELDS, where)
         require(cfg.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {cfg.get('hidden_act')!r} != 'silu'")
         require(not cfg.get("attention_bias", False), f"{where}: attention_bias=true is not supported")
         require(not cfg.get("attention_dropout", 0.0), f"{where}: attention_dropout must be 0")
         require(cfg.get("scoring_func", "sigmoid") == "sigmoid",
-                f"{where}: scoring_func {cfg.get('scoring_func')!r} is not supported (HF DeepseekV3 routes with sigmoid)")
+                f"{where}: scoring_func {cfg.get('scoring_func')!r} is not supported (HF DeepseekV3 routes "
+                "with sigmoid)")
         require(cfg.get("topk_method", "noaux_tc") == "noaux_tc",
                 f"{where}: topk_method {cfg.get('topk_method')!r} is not supported (only noaux_tc)")
         require(cfg.get("moe_layer_freq", 1) == 1, f"{where}: moe_layer_freq {cfg.get('moe_layer_freq')} != 1")
