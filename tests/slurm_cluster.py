@@ -184,6 +184,7 @@ class LocalSlurmCluster:
         self.log_dir = self.root / "log"
         self.run_dir = self.root / "run"
         self.started: dict[str, tuple[int, str]] = {}  # name -> (pid, comm)
+        self._procs: dict[str, subprocess.Popen] = {}  # the daemons spawned by this object
         self.ctld_port: int | None = None
         self.slurmd_port_base: int | None = None
 
@@ -305,8 +306,31 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         proc = subprocess.Popen(cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True)
         out.close()
+        self._procs[name] = proc
         self.started[name] = (proc.pid, comm)
         self._save_pids()
+
+    def _alive(self, name: str) -> bool:
+        # A child spawned here is checked through its Popen (right after the fork its comm is still
+        # python's); anything else (munged daemonizes, `down` from another process) by pid + comm.
+        if name in self._procs:
+            return self._procs[name].poll() is None
+        return name in self.started and _pid_alive(*self.started[name])
+
+    def _stop(self, name: str) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is None:
+            if name in self.started:
+                _stop_pid(*self.started[name])
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _log(f"{name} pid {proc.pid} ignored SIGTERM; SIGKILL")
+                proc.kill()
+                proc.wait(timeout=10)
 
     def _start_daemons(self) -> None:
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
@@ -315,12 +339,12 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             ping = self.cmd("scontrol", "ping", check=False)
             if "UP" in ping.stdout:
                 break
-            if not _pid_alive(*self.started["slurmctld"]):
+            if not self._alive("slurmctld"):
                 break
             time.sleep(0.2)
         else:
             raise ClusterError(f"slurmctld not up; see {self.log_dir}")
-        if not _pid_alive(*self.started["slurmctld"]):
+        if not self._alive("slurmctld"):
             raise ClusterError(f"slurmctld died: {self._tail('slurmctld.out')}{self._tail('slurmctld.log')}")
         for n in self.nodes:
             self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)], "slurmd")
@@ -350,7 +374,7 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if all(states.get(n) in ("idle", "mix", "alloc") for n in self.nodes):
                 return
             for name, (pid, comm) in self.started.items():
-                if comm in ("slurmd", "slurmctld") and not _pid_alive(pid, comm):
+                if comm in ("slurmd", "slurmctld") and not self._alive(name):
                     raise ClusterError(f"{name} died: {self._tail(name + '.out')}")
             if not resumed and time.time() - t0 > 5:
                 self.cmd("scontrol", "update", f"NodeName={','.join(self.nodes)}", "State=RESUME", check=False)
@@ -371,21 +395,23 @@ PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Cancel jobs, stop our daemons (by pid), remove our /etc/hosts line. Safe to call twice."""
         if not self.started and (self.run_dir / "started.json").exists():
             self.started = {k: tuple(v) for k, v in json.loads((self.run_dir / "started.json").read_text()).items()}
-        ctld = self.started.get("slurmctld")
-        if ctld and _pid_alive(*ctld):
-            jobs = self.cmd("squeue", "-h", "-o", "%i", check=False).stdout.split()
-            if jobs:
-                _log(f"cancelling jobs {' '.join(jobs)}")
-                self.cmd("scancel", *jobs, check=False)
-                deadline = time.time() + self.kill_wait + 20
-                while time.time() < deadline and self.cmd("squeue", "-h", "-o", "%i", check=False).stdout.strip():
-                    time.sleep(0.3)
+        try:  # let running jobs end while slurmd is still there to clean up after them
+            if self._alive("slurmctld"):
+                jobs = self.cmd("squeue", "-h", "-o", "%i", check=False, timeout=20).stdout.split()
+                if jobs:
+                    _log(f"cancelling jobs {' '.join(jobs)}")
+                    self.cmd("scancel", *jobs, check=False, timeout=20)
+                    deadline = time.time() + self.kill_wait + 20
+                    while time.time() < deadline and \
+                            self.cmd("squeue", "-h", "-o", "%i", check=False, timeout=20).stdout.strip():
+                        time.sleep(0.3)
+        except (OSError, subprocess.SubprocessError) as e:
+            _log(f"could not cancel jobs: {e}")
         for name, (pid, comm) in list(self.started.items()):
             if comm == "slurmd":
-                _stop_pid(pid, comm)
+                self._stop(name)
         for name in ("slurmctld", "munged"):
-            if name in self.started:
-                _stop_pid(*self.started[name])
+            self._stop(name)
         self._kill_leftover_stepds()
         if "hosts" in self.started:
             text = Path("/etc/hosts").read_text()
