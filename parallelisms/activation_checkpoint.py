@@ -339,7 +339,8 @@ class OpSACPolicy:
 
     1. runtime ops (namespaces in `RUNTIME_OP_NAMESPACES`) -> PREFER_RECOMPUTE;
     2. matmuls (`MATMUL_OPS`) inside a force-recompute module -> PREFER_RECOMPUTE, not counted;
-    3. other matmuls -> ALTERNATE: MUST_SAVE on odd counts, PREFER_RECOMPUTE on even ones;
+    3. matmuls a model spec lists explicitly (`explicit_save_ops`) -> MUST_SAVE, not counted;
+       other matmuls -> ALTERNATE: MUST_SAVE on odd counts, PREFER_RECOMPUTE on even ones;
     4. `save_ops` and device-to-host copies -> MUST_SAVE;
     5. everything else -> PREFER_RECOMPUTE.
 
@@ -348,8 +349,10 @@ class OpSACPolicy:
     with an odd matmul count. (torch 2.13 only calls it in the forward.)
     """
 
-    def __init__(self, save_ops: frozenset, *, scope: _ModuleScope | None = None, trace: bool = False):
+    def __init__(self, save_ops: frozenset, *, scope: _ModuleScope | None = None, trace: bool = False,
+                 explicit_save_ops: frozenset = frozenset()):
         self.save_ops = save_ops
+        self.explicit_save_ops = frozenset(_key(op) for op in explicit_save_ops)
         self.scope = scope
         self.trace = trace
         self.mm_count = {False: 0, True: 0}
@@ -364,6 +367,8 @@ class OpSACPolicy:
             forced = self.scope.current() if self.scope is not None else None
             if forced is not None:
                 return P.PREFER_RECOMPUTE, "RECOMPUTE", f"force_recompute_mm_fqns: {forced}"
+            if key in self.explicit_save_ops:
+                return P.MUST_SAVE, "SAVE", "model spec"
             self.mm_count[is_recompute] += 1
             odd = self.mm_count[is_recompute] % 2 == 1
             return (P.MUST_SAVE if odd else P.PREFER_RECOMPUTE), "ALTERNATE", ""
@@ -453,18 +458,21 @@ def op_sac_context_fn(*, extra_save_ops: Iterable = (), force_recompute_fqns: It
     """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying the op-level policy.
 
     Each call builds a fresh `OpSACPolicy`, so the matmul counts reset per block call.
+    `extra_save_ops` (a model spec's `sac_save_ops`) are always saved; a matmul listed
+    there (e.g. `_grouped_mm` for MoE experts) is then saved instead of alternating.
     If `block` is given and a pattern in `force_recompute_fqns` matches one of its
     submodules (relative name, or `prefix.relative`), hooks are installed on those
     submodules; `context_fn.scope.remove()` takes them off again.
     """
     save_ops = default_save_ops(extra_save_ops)
+    explicit = frozenset(_key(op) for op in extra_save_ops)
     scope = _ModuleScope(tuple(force_recompute_fqns))
     if block is not None and scope.patterns:
         scope.install(block, prefix)
 
     def context_fn():
         # A plain closure (not a partial of objects) so that dynamo accepts it.
-        return _make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=_trace_enabled()))
+        return _make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=_trace_enabled(), explicit_save_ops=explicit))
 
     context_fn.scope = scope  # type: ignore[attr-defined]
     return context_fn

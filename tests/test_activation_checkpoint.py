@@ -212,6 +212,14 @@ def test_grouped_and_linear_matmuls_alternate_too():
     assert [policy(_Ctx(False), op) for op in ops] == [S, R, S, R]
 
 
+def test_spec_listed_matmul_is_saved_not_alternated():
+    policy = OpSACPolicy(default_save_ops({aten._grouped_mm.default}), explicit_save_ops={aten._grouped_mm.default})
+    S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    ops = [aten._grouped_mm.default, aten.mm.default, aten._grouped_mm.default, aten.mm.default]
+    assert [policy(_Ctx(False), op) for op in ops] == [S, S, S, R]  # grouped: always; mm alternates alone
+    assert policy.decide(aten._grouped_mm.default, False)[1:] == ("SAVE", "model spec")
+
+
 def _lookup(ns, name):
     return ac._lookup(ns, name)
 
