@@ -641,3 +641,15 @@ def test_flop_counter_counts_grouped_mm():
         y.backward(torch.randn(t, n))  # grad x: [T,N]x[E,N,K]; grad w: [K,T]x[T,N]
     assert fwd.get_total_flops() == 2 * t * k * n
     assert bwd.get_total_flops() == 2 * (2 * t * k * n)
+
+
+def test_trace_only_on_rank_zero(monkeypatch):
+    import torch.distributed as dist
+    monkeypatch.setenv("AC_TRACE", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert ac._trace_enabled() is False
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    assert ac._trace_enabled() is True
+    monkeypatch.setenv("AC_TRACE", "0")
+    assert ac._trace_enabled() is False
