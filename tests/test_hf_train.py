@@ -248,7 +248,17 @@ if __name__ == "__main__":
 def test_trainer_reports_bad_hf_folder_in_one_line(hf_folders, tmp_path, capsys):
     """A flavor that does not match config.json, or a folder that is not an HF folder,
     stops the trainer with exit code 2 and one line naming the problem."""
-    from trainer.train import main
+    import logging
+
+    from trainer.train import main as trainer_main
+
+    def main(argv):  # main() points logging at the captured stdout: restore the handlers after
+        root = logging.getLogger()
+        saved = root.handlers[:]
+        try:
+            return trainer_main(argv)
+        finally:
+            root.handlers[:] = saved
 
     base = ["--model.flavor", "debug_small", "--training.seq_len", str(SEQ), "--training.steps", "1",
             "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true",
