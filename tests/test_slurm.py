@@ -220,7 +220,8 @@ def test_bad_config_fails_fast(cluster, tmp_path):
     errors = [line for line in out.splitlines() if line.startswith("config error:")]
     assert len(errors) == 1 and "stpes" in errors[0] and "steps" in errors[0], out
     assert not list(job.log_dir.glob("node*.log")), "srun must not have been started"
-    assert job.wall < 60, f"took {job.wall:.0f}s; a rendezvous timeout would be minutes"
+    # the check is one `import torch` (~5-15 s on 2 busy cores); a rendezvous timeout is 5-10 min
+    assert job.wall < 120, f"took {job.wall:.0f}s; it should fail long before any rendezvous timeout"
 
 
 # ---------------------------------------------------------------------------- trainer.launch alone
