@@ -31,6 +31,6 @@ if ! python -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 
-LAUNCHER=${TORCHRUN:-python -m torch.distributed.run}
+LAUNCHER=${TORCHRUN:-python -m trainer.launch}
 exec $LAUNCHER --standalone --nnodes 1 --nproc-per-node "$NPROC" --local-ranks-filter "$LOG_RANK" \
   --tee 3 -m trainer.train "${args[@]}"
