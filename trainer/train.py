@@ -67,6 +67,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         t = cfg.training
+        # First, so that a preemption signal during start-up is remembered, not fatal.
+        self.preemption = PreemptionHandler()
         self.device = tdist.pick_device(t.device)
         self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -151,7 +153,6 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_logging_rank,
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size)
-        self.preemption = PreemptionHandler()
         self.data_iter = iter(self.dataloader)
         gc.disable()
         if self.rank == 0:
