@@ -14,10 +14,10 @@ from models.spec import ModelSpec
 def _sac_save_ops() -> frozenset:
     """Ops the op-level SAC policy must keep for MoE blocks: the routing decision (topk,
     and the stable sort that permutes tokens) so that a recompute cannot route
-    differently, the grouped expert GEMMs, and EP's all-to-all once it exists."""
+    differently, and EP's all-to-all (dispatch, combine and the counts exchange), so that
+    the recompute sends nothing. The grouped expert GEMMs are not listed: like every
+    matmul they alternate between saved and recomputed (listing them would save them all)."""
     ops = [torch.ops.aten.topk.default, torch.ops.aten.sort.stable]
-    if hasattr(torch.ops.aten, "_grouped_mm"):
-        ops.append(torch.ops.aten._grouped_mm.default)
     try:
         ops.append(torch.ops._c10d_functional.all_to_all_single.default)
     except (AttributeError, RuntimeError):
