@@ -28,6 +28,7 @@ compile fixed):
 
 Bench flags: --block-8b, --modes none,full,..., --steps N (timed), --seq-len, --batch,
 --check-bytes (cross-check saved/block against saved_activation_bytes per block),
+--threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine),
 --in-process (all modes in this process; peak RSS is then not per mode).
 """
 
@@ -68,6 +69,7 @@ def _bench_args(argv: list[str]):
                    help="also count each block with saved_activation_bytes and warn on any difference")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the runs")
     p.add_argument("--in-process", action="store_true", help="run every mode in this process")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     opts, rest = _bench_args(argv)
     if opts.steps is None:
         opts.steps = 1 if opts.block_8b else 3
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     cfg = _load_cfg(rest)
     if opts._worker:
         print("RESULT " + json.dumps(run_mode(opts._worker, opts, cfg)), flush=True)
