@@ -77,6 +77,10 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "pp2_fsdp2": (4, "debug_small", ["--training.local_batch_size", "2", *PP2, *sched("1F1B")]),
     "pp2_tp2": (4, "debug_small", ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                                    *PP2, *sched("1F1B")]),
+    # 8 ranks: the N-D composition
+    "fsdp2_tp2_pp2_interleaved": (8, "debug", ["--training.local_batch_size", "2",
+                                               "--parallelism.tensor_parallel_degree", "2", *PP2,
+                                               *sched("Interleaved1F1B", 2)]),
 }
 
 # name -> (world size, source layout whose step-2 checkpoint is resumed, extra args of the new layout)
@@ -140,7 +144,8 @@ def loss_rel(got: list[float], ref: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def refs(tmp_path_factory):
+    """Seed checkpoints and one-rank references; yields (root, refs) and prints the report at the end."""
     root = tmp_path_factory.mktemp("layouts")
     for flavor in ("debug_small", "debug"):
         run_in_process([*BASE, "--model.flavor", flavor, "--training.local_batch_size", "4",
@@ -156,27 +161,35 @@ def suite(tmp_path_factory):
     lr, tr = run_in_process(_common(root, "ref_debug", "debug") + ["--training.local_batch_size", "4"])
     params, grads = _state(tr)
     refs["debug"] = {"losses": lr, "params": params, "grads": grads}
+    yield root, refs
+    print("\nlayout                         world  loss       grad       param")
+    print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
+          "param: after the last step, max over tensors of ||d||/||ref||)")
+    print("\n".join(REPORT))
 
-    out = root / "out"
-    results = {}
-    for world in (2, 4):
-        cases = [{"name": n, "args": _common(root, n, fl) + extra}
-                 for n, (w, fl, extra) in LAYOUTS.items() if w == world]
-        for n, (w, src, extra) in RESUMES.items():
-            if w == world:
-                cases.append({"name": n, "args": _common(root, n, "debug_small") + extra, "dump_loaded": True,
-                              "dataloader_fallback": True,
-                              "copy": [str(root / "ck" / src / "step-2"), str(root / "ck" / n / "step-2")]})
-        (root / f"cases{world}.json").write_text(json.dumps(cases))
-        proc = torchrun(world, [str(root / f"cases{world}.json"), str(out)], timeout=420,
-                        module="tests.parallel_worker")
-        print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[worker]")))
-        for c in cases:
-            results[c["name"]] = _load(out, c["name"])
+
+def _launch(root: Path, world: int) -> dict:
+    """All cases of one world size in one torchrun launch; returns name -> merged record."""
+    cases = [{"name": n, "args": _common(root, n, fl) + extra} for n, (w, fl, extra) in LAYOUTS.items() if w == world]
+    for n, (w, src, extra) in RESUMES.items():
+        if w == world:
+            cases.append({"name": n, "args": _common(root, n, "debug_small") + extra, "dump_loaded": True,
+                          "dataloader_fallback": True,
+                          "copy": [str(root / "ck" / src / "step-2"), str(root / "ck" / n / "step-2")]})
+    (root / f"cases{world}.json").write_text(json.dumps(cases))
+    proc = torchrun(world, [str(root / f"cases{world}.json"), str(root / "out")], timeout=420,
+                    module="tests.parallel_worker")
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[worker]")))
+    return {c["name"]: _load(root / "out", c["name"]) for c in cases}
+
+
+@pytest.fixture(scope="module")
+def suite(refs):
+    root, ref = refs
+    results = {**_launch(root, 2), **_launch(root, 4)}
     # One rank resumes the FSDP 2 checkpoint.
     name = "dcp_fsdp2_to_1rank"
-    dst = root / "ck" / name / "step-2"
-    shutil.copytree(root / "ck" / "fsdp2" / "step-2", dst)
+    shutil.copytree(root / "ck" / "fsdp2" / "step-2", root / "ck" / name / "step-2")
     from trainer.config import load_config
     from trainer.train import Trainer
 
@@ -188,11 +201,7 @@ def suite(tmp_path_factory):
         trainer.close()
     params, grads = _state(trainer)
     results[name] = {"losses": losses, "params": params, "grads": grads, "loaded": loaded}
-    yield refs, results
-    print("\nlayout                         world  loss       grad       param")
-    print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
-          "param: after the last step, max over tensors of ||d||/||ref||)")
-    print("\n".join(REPORT))
+    return ref, results
 
 
 def _check(name: str, flavor: str, suite, world: int) -> None:
@@ -209,10 +218,19 @@ def _check(name: str, flavor: str, suite, world: int) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [n for n, (w, _, _) in LAYOUTS.items() if w <= 4])
 def test_layout_matches_one_rank(name, suite):
     world, flavor, _ = LAYOUTS[name]
     _check(name, flavor, suite, world)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_tp_pp_3d_matches_one_rank(refs):
+    """FSDP 2 x TP 2 (SP, loss parallel) x PP 2 (Interleaved1F1B, 2 stages per rank) on 8 ranks."""
+    root, ref = refs
+    name = "fsdp2_tp2_pp2_interleaved"
+    _check(name, "debug", (ref, _launch(root, 8)), 8)
 
 
 @pytest.mark.timeout(900)
