@@ -139,10 +139,38 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, v_style: boo
 
 
 # ---- building ----
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class BufferSafeStage(PipelineStage):
+        """A PipelineStage whose shape-inference pass leaves the model's buffers alone.
+
+        On the first step the stage infers its input/output shapes by running one forward
+        and backward, on empty tensors for all but the first stage. Stateful buffers (MoE
+        expert-load counters feeding the load-balance bias update) would count that pass,
+        so they are snapshotted before it and restored after it."""
+
+        _saved_buffers: list | None = None
+
+        def _forward_metadata_inference(self, *args, **kwargs):
+            if self._saved_buffers is None:
+                self._saved_buffers = [(b, b.detach().clone()) for b in self.submod.buffers()]
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _post_metadata_inference_cleanup(self) -> None:
+            super()._post_metadata_inference_cleanup()
+            if self._saved_buffers is not None:
+                with torch.no_grad():
+                    for buf, saved in self._saved_buffers:
+                        buf.copy_(saved)
+                self._saved_buffers = None
+
+    return BufferSafeStage
+
+
 def build_pipeline(model: nn.Module, spec, dims, cfg, loss_fn: Callable, device: torch.device,
                    parallelize_fn: Callable[[nn.Module], nn.Module]):
     """Returns (schedule, model_parts, has_first_stage, has_last_stage) for this rank."""
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     from trainer.configurable import ConfigError
@@ -169,12 +197,13 @@ def build_pipeline(model: nn.Module, spec, dims, cfg, loss_fn: Callable, device:
                     f"{cfg.training.local_batch_size // pcfg.pipeline_parallel_microbatch_size} microbatches; "
                     + "; ".join(f"stage {s}: {_describe(f)}" for s, f in enumerate(fqns)))
 
+    stage_cls = _stage_class()
     parts, stages = [], []
     for sid in stage_ids:
         part = prune_to_stage(copy.deepcopy(model), fqns[sid])
         part = parallelize_fn(part)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group))
+        stages.append(stage_cls(part, sid, num_stages, device, group=pp_group))
     del model
 
     n_microbatches = cfg.training.local_batch_size // pcfg.pipeline_parallel_microbatch_size

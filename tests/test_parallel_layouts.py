@@ -56,6 +56,8 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "fsdp2_compile": (2, "debug_small", ["--training.local_batch_size", "2", "--compile.enable", "true"]),
     "pp2_gpipe": (2, "debug_small", ["--training.local_batch_size", "4", *PP2, *sched("GPipe")]),
     "pp2_1f1b": (2, "debug_small", ["--training.local_batch_size", "4", *PP2, *sched("1F1B")]),
+    "pp2_1f1b_accum2": (2, "debug_small", ["--training.local_batch_size", "2", *PP2, *sched("1F1B")]),
+    "pp2_1f1b_deepseek": (2, "ds_debug", ["--training.local_batch_size", "4", *PP2, *sched("1F1B")]),
     "pp2_interleaved1f1b_x2": (2, "debug", ["--training.local_batch_size", "4", *PP2, *sched("Interleaved1F1B", 2)]),
     "pp2_loopedbfs_x2": (2, "debug", ["--training.local_batch_size", "4", *PP2, *sched("LoopedBFS", 2)]),
     "pp2_interleavedzb_x2": (2, "debug", ["--training.local_batch_size", "4", *PP2,
@@ -94,8 +96,15 @@ RESUMES: dict[str, tuple[int, str, list[str]]] = {
 REPORT: list[str] = []
 
 
+# Reference models: key -> (model.name, model.flavor). debug_small: 3 layers (uneven PP
+# split), GQA 4/2 heads (TP 2 leaves one KV head per rank); debug: 6 layers (4 stages);
+# ds_debug: DeepSeek V3 debug (MLA + MoE) for PP.
+MODELS = {"debug_small": ("llama3", "debug_small"), "debug": ("llama3", "debug"), "ds_debug": ("deepseek_v3", "debug")}
+
+
 def _common(root: Path, name: str, flavor: str) -> list[str]:
-    return [*BASE, "--model.flavor", flavor, "--job.dump_folder", str(root / "runs" / name),
+    model, fl = MODELS[flavor]
+    return [*BASE, "--model.name", model, "--model.flavor", fl, "--job.dump_folder", str(root / "runs" / name),
             "--checkpoint.folder", str(root / "ck" / name),
             "--checkpoint.initial_load_path", str(root / f"seed_{flavor}" / "checkpoint" / "step-0")]
 
@@ -147,8 +156,8 @@ def loss_rel(got: list[float], ref: list[float]) -> float:
 def refs(tmp_path_factory):
     """Seed checkpoints and one-rank references; yields (root, refs) and prints the report at the end."""
     root = tmp_path_factory.mktemp("layouts")
-    for flavor in ("debug_small", "debug"):
-        run_in_process([*BASE, "--model.flavor", flavor, "--training.local_batch_size", "4",
+    for flavor, (model, fl) in MODELS.items():
+        run_in_process([*BASE, "--model.name", model, "--model.flavor", fl, "--training.local_batch_size", "4",
                         "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(root / f"seed_{flavor}")])
     refs = {}
     # debug_small: 2 steps, checkpoint, resume to 4 (bitwise equal to one run; gives the step-2 params too).
@@ -158,9 +167,10 @@ def refs(tmp_path_factory):
     l2, t2 = run_in_process(args)
     params, grads = _state(t2)
     refs["debug_small"] = {"losses": l1 + l2, "params": params, "grads": grads, "step2": step2}
-    lr, tr = run_in_process(_common(root, "ref_debug", "debug") + ["--training.local_batch_size", "4"])
-    params, grads = _state(tr)
-    refs["debug"] = {"losses": lr, "params": params, "grads": grads}
+    for flavor in ("debug", "ds_debug"):
+        lr, tr = run_in_process(_common(root, f"ref_{flavor}", flavor) + ["--training.local_batch_size", "4"])
+        params, grads = _state(tr)
+        refs[flavor] = {"losses": lr, "params": params, "grads": grads}
     yield root, refs
     print("\nlayout                         world  loss       grad       param")
     print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
