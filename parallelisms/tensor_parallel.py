@@ -4,7 +4,8 @@ A model's TP plan lives next to the model (e.g. `models/llama3/parallelize.py`) 
 a dict `{module name: ParallelStyle}` applied with `parallelize_module`. The pieces
 shared by every decoder-only transformer are here:
 
-- `embedding_style`, `head_style`, `norm_style`, `block_input_style`: the layouts at
+- `embedding_style`, `head_style`, `norm_style`, `block_input_style`, `module_input_style`,
+  `ReplicateParallel` (TP-replicated params, e.g. norms without SP): the layouts at
   the edges of the residual stream. With SP the residual stream between blocks is a
   DTensor sharded on the sequence (Shard(1)); it stays a DTensor so that the model's
   own `h.shape[1]` (used to slice the RoPE table) is the full sequence length.
@@ -42,7 +43,8 @@ from torch.distributed.tensor.parallel import (
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
     "parallelize_module", "embedding_style", "head_style", "norm_style", "block_input_style",
-    "stage_output_style", "module_input_style", "loss_parallel_loss", "apply_plan",
+    "stage_output_style", "module_input_style", "loss_parallel_loss", "apply_plan", "ReplicateParallel",
+    "norm_style_no_sp", "PrepareModuleInputOutput",
 ]
 
 

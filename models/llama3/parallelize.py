@@ -12,7 +12,10 @@ compile and FSDP:
 - with sequence parallel: attention_norm, ffn_norm and the final norm run on the
   sequence-sharded residual stream; attention and feed_forward gather it first. The
   RoPE table (the second block/attention argument, [seq, 2, head_dim]) is a plain
-  tensor that no style touches.
+  tensor that no style touches;
+- without sequence parallel the norms hold replicated DTensor weights (so every
+  parameter of the part is a DTensor on the TP mesh, as the foreach optimizer needs)
+  and the residual stream is a plain replicated tensor.
 """
 
 from __future__ import annotations
