@@ -71,8 +71,6 @@ def run_case(case: dict, out: Path) -> None:
     cfg = load_config(case["args"])
     trainer = Trainer(cfg)
     writer = trainer.dims.coordinate("dp") == 0 and trainer.dims.coordinate("tp") == 0
-    if case.get("dataloader_fallback"):
-        dataloader_fallback(trainer)
     record: dict = {}
     if case.get("dump_loaded"):
         record["loaded"], _ = gather_state(trainer.model_parts, with_grads=False)
@@ -92,27 +90,6 @@ def run_case(case: dict, out: Path) -> None:
     del trainer
     gc.collect()
     dist.barrier()
-
-
-def dataloader_fallback(trainer) -> None:
-    """After a resume onto a larger dp degree, ranks whose `dataloader_dp{r}` key is not in the
-    checkpoint would start their data from batch 0. The loader's position is a global batch
-    index, equal on every dp rank (and remapped when the per-epoch layout changes), so such
-    ranks can take dp rank 0's. This emulates that fallback from test code (the Checkpointer
-    restores only its own key)."""
-    import torch.distributed.checkpoint as dcp
-
-    path = trainer.checkpointer.resume_path()
-    if path is None:
-        return
-    top = {k.split(".", 1)[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
-    if "dataloader_dp0" not in top:
-        return
-    state = {"dataloader_dp0": trainer.dataloader.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))  # collective: every rank loads the same key
-    if f"dataloader_dp{trainer.dp_rank}" not in top:
-        trainer.dataloader.load_state_dict(state["dataloader_dp0"])
-        trainer.data_iter = iter(trainer.dataloader)
 
 
 def main() -> int:

@@ -14,12 +14,10 @@ to ~1e-6 of their scale. Post-step params are compared by tensor norm.
 Gradient clipping is active in every step (max_norm 0.3, below the models' grad norms),
 so the global norm across dp, TP and PP is checked too.
 
-DCP data order: the loader's position is a global batch index, but the Checkpointer
-restores `dataloader_dp{r}` only on ranks whose key is in the checkpoint. Resuming a
-dp=2 checkpoint on dp=4 therefore restarts ranks 2 and 3 at batch 0 (measured: the
-step-3 loss then differs by ~1e-2 relative). The DCP cases here emulate the fix (load
-dp rank 0's state on such ranks; `dataloader_fallback` in tests/parallel_worker.py) and
-then match the uninterrupted run; same-dp-degree resumes need no emulation.
+DCP data order: the loader's position is a global batch index. Resuming a dp=2
+checkpoint on dp=4, ranks 2 and 3 have no `dataloader_dp{r}` state of their own, so the
+Checkpointer gives them dp rank 0's (without that, they restarted at batch 0 and the
+step-3 loss differed by ~1e-2 relative). The DCP cases then match the uninterrupted run.
 
 Run with `-s` to see the table of measured differences.
 """
@@ -194,9 +192,7 @@ def _launch(root: Path, world: int) -> dict:
     cases = [{"name": n, "args": _common(root, n, fl) + extra} for n, (w, fl, extra) in LAYOUTS.items() if w == world]
     for n, (w, src, extra) in RESUMES.items():
         if w == world:
-            # Only resumes onto more dp ranks than were saved need the dataloader fallback.
             cases.append({"name": n, "args": _common(root, n, "debug_small") + extra, "dump_loaded": True,
-                          "dataloader_fallback": n.endswith("to_fsdp4"),
                           "copy": [str(root / "ck" / src / "step-2"), str(root / "ck" / n / "step-2")]})
     (root / f"cases{world}.json").write_text(json.dumps(cases))
     proc = torchrun(world, [str(root / f"cases{world}.json"), str(root / "out")], timeout=420,

@@ -227,6 +227,12 @@ class Checkpointer:
             return 0
         state = self._full_state(0)
         state = {k: v for k, v in state.items() if k in top}
+        dl_key = f"dataloader_dp{self.dp_rank}"
+        if self.dataloader is not None and dl_key not in top and "dataloader_dp0" in top:
+            # Resuming onto more data-parallel ranks than were saved: this rank has no state of its
+            # own. dp rank 0's position is a global batch index, which the loader remaps to this rank.
+            dl_key = "dataloader_dp0"
+            state[dl_key] = self.dataloader.state_dict()
         try:
             dcp.load(state, checkpoint_id=str(path))
         except Exception as e:  # noqa: BLE001
@@ -244,7 +250,6 @@ class Checkpointer:
             torch.set_rng_state(rng["cpu"])
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-        dl_key = f"dataloader_dp{self.dp_rank}"
         if self.dataloader is not None and dl_key in state:
             self.dataloader.load_state_dict(state[dl_key])
         return int(state["train_state"]["step"])
