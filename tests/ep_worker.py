@@ -109,6 +109,11 @@ def run_case(case: dict, out: Path) -> None:
         trainer.metrics.close()
         gc.enable()
     record = {"losses": losses, **snapshot(trainer.model_parts)}
+    # Forwards in which some EP rank received no token at all, summed over ranks.
+    empty = torch.tensor([sum(getattr(getattr(m, "token_dispatcher", None), "empty_calls", 0)
+                              for part in trainer.model_parts for m in part.modules())])
+    dist.all_reduce(empty)
+    record["empty_receives"] = int(empty.item())
     if trainer.dims.coordinate("dp") == 0 and trainer.dims.coordinate("tp") == 0:
         if trainer.is_logging_rank:
             record["metrics"] = read_metrics(cfg.job.dump_folder)

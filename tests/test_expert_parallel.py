@@ -44,6 +44,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ep2": (2, [LB, "2", EP, "2", "--checkpoint.interval", "2"]),
     "ep2_ac_op": (2, [LB, "2", EP, "2", "--activation_checkpoint.mode", "op"]),
     "ep2_ac_full": (2, [LB, "2", EP, "2", "--activation_checkpoint.mode", "full"]),
+    # bf16 params under FSDP; the EP-only experts (no efsdp mesh, so outside FSDP) stay fp32
+    # and are cast to the activations' dtype by GroupedExperts.
+    "ep2_bf16": (2, [LB, "2", EP, "2", "--training.mixed_precision_param", "bfloat16",
+                     "--training.mixed_precision_on_cpu", "true"]),
     "ep2_tp2_sp": (2, [LB, "4", EP, "2", TP, "2"]),
     "tp2_sp": (2, [LB, "4", TP, "2"]),
     "tp2_nosp": (2, [LB, "4", TP, "2", "--parallelism.enable_sequence_parallel", "false"]),
@@ -59,6 +63,8 @@ RESUMES: dict[str, tuple[int, str, list[str]]] = {
     "resume_ep2_to_tp2ep2fsdp2": (4, "ep2", LAYOUTS["ep2_tp2_fsdp2"][1]),
 }
 REPORT: list[str] = []
+# Layouts compared on the loss only, with this relative tolerance (bf16 compute vs fp32).
+LOSS_ONLY = {"ep2_bf16": 5e-3}
 
 
 def _args(root: Path, name: str, extra: list[str]) -> list[str]:
@@ -123,6 +129,11 @@ def suite(tmp_path_factory):
 
 def _compare(name: str, world: int, ref: dict, got: dict) -> None:
     dl = loss_rel(got["losses"], ref["losses"])
+    if name in LOSS_ONLY:
+        REPORT.append(f"{name:<27} {world:>5}  {dl:9.2e}  (bf16: loss only)  {got['empty_receives']}")
+        assert dl <= LOSS_ONLY[name], (name, got["losses"], ref["losses"])
+        assert all(torch.isfinite(g).all() for g in got["grads"].values())
+        return
     dg, dp, db = (max_rel(got[k], ref[k]) for k in ("grads", "params", "buffers"))
     REPORT.append(f"{name:<27} {world:>5}  {dl:9.2e}  {dg:9.2e}  {dp:9.2e}  {db:9.2e}  {got['empty_receives']}")
     assert dl <= TOL, (name, got["losses"], ref["losses"])
