@@ -17,7 +17,6 @@ ranks); references run in this process. Run with `-s` for the table of differenc
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

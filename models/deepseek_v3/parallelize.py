@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallelisms import tensor_parallel as tp
-from parallelisms.expert_parallel import expert_parallel_fn  # noqa: F401  (re-exported for the spec)
+from parallelisms.expert_parallel import expert_parallel_fn
 from parallelisms.tensor_parallel import ReplicateParallel
 
 
@@ -152,3 +152,6 @@ def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
         for block in model.layers.values():
             if block.moe_enabled:
                 block.moe.experts.partial_grad_over_replicate = True
+
+
+__all__ = ["parallelize_deepseek", "expert_parallel_fn"]
