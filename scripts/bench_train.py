@@ -108,8 +108,8 @@ def main() -> None:
                 sys.exit(f"{kind} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             results[kind].append(json.loads(line[7:]))
     print(f"overrides: {' '.join(overrides)}; {args.steps} steps ({args.warmup} warm-up) x {args.rounds} rounds")
-    print(f"| loop | median s/step | tokens/s | peak RSS GiB |")
-    print(f"|---|---|---|---|")
+    print("| loop | median s/step | tokens/s | peak RSS GiB |")
+    print("|---|---|---|---|")
     medians = {}
     for kind, runs in results.items():
         med = statistics.median(t for r in runs for t in r["times"])

@@ -108,8 +108,8 @@ class Checkpointer:
     def _optimizer_state(self) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self.optimizers):
-            sd.update(get_optimizer_state_dict(part, opt, options=opts))
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            sd.update(get_optimizer_state_dict(part, optimizer, options=opts))
         return sd
 
     def _full_state(self, step: int) -> dict[str, Any]:
@@ -239,9 +239,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint error: {path} could not be loaded ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200]}); delete it or set --checkpoint.load_step") from None
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, optimizer in zip(self.model_parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optimizer"], options=opts)
+            set_optimizer_state_dict(part, optimizer, state["optimizer"], options=opts)
         for sched in self.lr_schedulers:
             if "lr_scheduler" in state:
                 sched.load_state_dict(state["lr_scheduler"])

@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch

@@ -37,6 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
+from models.common.decoder import FeedForward
+
 
 @dataclass
 class MoEArgs:
@@ -216,24 +218,6 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w1, mean=0.0, std=std)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
         nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x). Dense FFN and shared experts."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
 # --------------------------------------------------------------------------- aux loss

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common.moe import FeedForward, MoE, MoEArgs
+from models.common.decoder import DecoderLM, FeedForward
+from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.deepseek_v3.args import DeepSeekV3Args
@@ -161,16 +162,9 @@ class TransformerBlock(nn.Module):
         (self.moe if self.moe_enabled else self.feed_forward).init_weights(0.02, self.out_std)
 
 
-class DeepSeekV3(nn.Module):
+class DeepSeekV3(DecoderLM):
     def __init__(self, args: DeepSeekV3Args):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Not persistent: recomputed by init_weights, so checkpoints hold only weights.
-        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        super().__init__(args, TransformerBlock)
 
     def _rope_cache(self) -> torch.Tensor:
         a = self.args
@@ -179,30 +173,6 @@ class DeepSeekV3(nn.Module):
                                  a.beta_fast, a.beta_slow)
         # YaRN's temperature is applied once, through the softmax scale (mscale^2), not here.
         return rope_cos_sin(inv_freq, a.max_seq_len)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialises every parameter and buffer this (possibly pipeline-split) model holds."""
-        with torch.device(buffer_device or self.rope_cache.device):
-            self.rope_cache = self._rope_cache()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for block in self.layers.values():
-            block.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline
-        stage without the embedding. Returns logits, or hidden states without the head."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
-        for block in self.layers.values():
-            h = block(h, rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
 
 
 def count_params(model_or_args: nn.Module | DeepSeekV3Args) -> tuple[int, int]:
