@@ -513,7 +513,8 @@ def test_force_recompute_saves_less():
     # wq, wk, wv, wo are forced out of the count: the FFN's w1, w3, w2 then alternate as
     # save, recompute, save -- the same saved shapes as before minus wq and wv outputs.
     assert plain - forced == (a.dim + a.kv_heads * a.head_dim) * tokens * 4
-    assert not ac._FORCED_MODULES  # hooks registry cleaned up
+    # The temporary registration for this count is removed (other tests' models may still be registered).
+    assert not any(m in ac._FORCED_MODULES for m in block.modules())
 
 
 # --------------------------------------------------------------------------- costs
