@@ -654,3 +654,35 @@ def test_trace_only_on_rank_zero(monkeypatch):
     assert ac._trace_enabled() is True
     monkeypatch.setenv("AC_TRACE", "0")
     assert ac._trace_enabled() is False
+
+
+def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):
+    """Structure only: nn.Module.compile is lazy, so nothing is compiled here."""
+    import torch._functorch.config as functorch_config
+
+    from parallelisms.compile import CompileConfig, apply_compile
+    calls = []
+    monkeypatch.setattr(torch._C._dynamo.eval_frame, "_set_lru_cache", lambda flag: calls.append(flag))
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+
+    model = _llama()
+    keys = list(model.state_dict())
+    cfg = ActivationCheckpointConfig(mode="op")
+    apply_activation_checkpointing(model, cfg, compile_enabled=True)
+    apply_compile(model, CompileConfig(enable=True), cfg)
+    assert calls == [False]  # dynamo's LRU cache disabled with SAC
+    for wrapper in model.layers.values():
+        assert wrapper._compiled_call_impl is not None  # compiled from outside the SAC wrapper
+        assert wrapper._checkpoint_wrapped_module._compiled_call_impl is None
+    assert list(model.state_dict()) == keys
+
+    model = _llama()
+    cfg = ActivationCheckpointConfig(mode="memory_budget", memory_budget=0.25)
+    apply_activation_checkpointing(model, cfg, compile_enabled=True)
+    apply_compile(model, CompileConfig(enable=True), cfg)
+    assert functorch_config.activation_memory_budget == 0.25
+    assert all(b._compiled_call_impl is not None for b in model.layers.values())
+
+    untouched = _llama()
+    apply_compile(untouched, CompileConfig(enable=False), ActivationCheckpointConfig(mode="full"))
+    assert all(b._compiled_call_impl is None for b in untouched.layers.values())
