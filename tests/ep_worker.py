@@ -12,10 +12,7 @@ step, params and expert_bias after it. Also registers the test flavor `ep_test`.
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -105,9 +102,7 @@ def run_case(case: dict, out: Path) -> None:
     try:
         losses = trainer.train()
     finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        gc.enable()
+        trainer.close(destroy_process_group=False)
     record = {"losses": losses, **snapshot(trainer.model_parts)}
     # Forwards in which some EP rank received no token at all, summed over ranks.
     empty = torch.tensor([sum(getattr(getattr(m, "token_dispatcher", None), "empty_calls", 0)
@@ -126,19 +121,9 @@ def run_case(case: dict, out: Path) -> None:
 
 
 def main() -> int:
-    from trainer.train import setup_logging
+    from tests.helpers import run_worker_cases
 
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    setup_logging()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
-    only = os.environ.get("EP_WORKER_ONLY")
-    for case in cases:
-        if not only or case["name"] in only.split(","):
-            run_case(case, out)
-    dist.destroy_process_group()
-    return 0
+    return run_worker_cases(run_case, "EP_WORKER_ONLY", timeout_s=240)
 
 
 if __name__ == "__main__":

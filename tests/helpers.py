@@ -61,3 +61,26 @@ def read_metrics(dump_folder: str | Path) -> list[dict]:
 
 def losses_by_step(dump_folder: str | Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump_folder)}
+
+
+def run_worker_cases(run_case, only_env: str, timeout_s: int = 300) -> int:
+    """Body of a torchrun worker module: `python -m <worker> cases.json out_dir` runs every
+    case (filtered by the comma-separated names in $only_env) in one gloo process group,
+    so a whole table of layouts costs one launch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.train import setup_logging
+
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    setup_logging()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    only = os.environ.get(only_env)
+    for case in cases:
+        if not only or case["name"] in only.split(","):
+            run_case(case, out)
+    dist.destroy_process_group()
+    return 0

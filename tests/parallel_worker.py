@@ -16,8 +16,6 @@ the last step (after clipping), params are those after the last optimizer step.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import shutil
 import sys
 import time
@@ -78,9 +76,7 @@ def run_case(case: dict, out: Path) -> None:
     try:
         record["losses"] = trainer.train()
     finally:
-        trainer.checkpointer.close()
-        trainer.metrics.close()
-        gc.enable()
+        trainer.close(destroy_process_group=False)
     record["params"], record["grads"] = gather_state(trainer.model_parts, with_grads=True)
     record["seconds"] = time.perf_counter() - t0
     if writer:
@@ -93,22 +89,9 @@ def run_case(case: dict, out: Path) -> None:
 
 
 def main() -> int:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    import datetime
+    from tests.helpers import run_worker_cases
 
-    from trainer.train import setup_logging
-
-    setup_logging()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    only = os.environ.get("WORKER_ONLY")
-    for case in cases:
-        if only and case["name"] not in only.split(","):
-            continue
-        run_case(case, out)
-    dist.destroy_process_group()
-    return 0
+    return run_worker_cases(run_case, "WORKER_ONLY", timeout_s=300)
 
 
 if __name__ == "__main__":

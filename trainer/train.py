@@ -310,11 +310,14 @@ class Trainer:
                     break
         return losses
 
-    def close(self) -> None:
+    def close(self, destroy_process_group: bool = True) -> None:
+        """Finishes pending saves and flushes metrics. Test drivers that run several
+        trainers in one process group pass destroy_process_group=False."""
         self.checkpointer.close()
         self.metrics.close()
         gc.enable()
-        tdist.destroy()
+        if destroy_process_group:
+            tdist.destroy()
 
 
 def main(argv: list[str] | None = None) -> int:
