@@ -25,6 +25,13 @@ for a in "${args[@]}"; do
 done
 [ "$have_config" = 1 ] || args=(--config "$CONFIG_FILE" "${args[@]}")
 
+for a in "${args[@]}"; do
+  case "$a" in -h|--help) exec python -m trainer.train "${args[@]}" ;; esac
+done
+# Check the config once, before any process starts: a bad key or layout fails in one line
+# instead of behind torchrun's failure report.
+TITAN_CHECK_WORLD_SIZE="$NPROC" python -m trainer.launch --check-config "${args[@]}" > /dev/null || exit $?
+
 # CPU runs: one thread per process unless told otherwise, so ranks do not oversubscribe cores.
 if ! python -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}

@@ -119,3 +119,19 @@ def test_impossible_layouts_are_rejected():
     dims = ParallelDims(pp=4, dp_shard=1, world_size=4)
     with pytest.raises(ConfigError, match="4 stages exceed the model's 3 layers"):
         dims.validate_model(LLAMA3_FLAVORS["debug_small"], 64, False)
+
+
+@pytest.mark.parametrize("env, argv, line", [
+    ({}, ["--training.stpes", "3"], "config error: unknown key training.stpes (did you mean training.steps?)"),
+    ({"NGPU": "4"}, ["--parallelism.tensor_parallel_degree", "8"],
+     "config error: parallelism: dp_replicate(1) x cp(1) x tp(8) x pp(1) = 8 does not divide the world size 4; "
+     "choose degrees whose product divides it"),
+])
+def test_run_train_sh_fails_fast_with_one_line(env, argv, line):
+    import os
+
+    proc = subprocess.run(["./run_train.sh", *argv], cwd=REPO, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [line]
+    assert "Traceback" not in proc.stdout + proc.stderr and "ChildFailedError" not in proc.stdout + proc.stderr

@@ -260,7 +260,10 @@ def main_guard(argv: list[str] | None = None) -> JobConfig:
     """For entry points: --help prints the field docs; a ConfigError prints one line and exits 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
+        try:
+            print(help_text())
+        except BrokenPipeError:  # `--help | head`
+            pass
         sys.exit(0)
     try:
         return load_config(argv)

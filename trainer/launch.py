@@ -112,6 +112,16 @@ def check_config(argv: list[str]) -> int:
     from trainer.config import main_guard
 
     cfg = main_guard(argv)  # prints `config error: ...` and exits 2 on a bad config
+    world = int(os.environ.get("TITAN_CHECK_WORLD_SIZE", "0"))
+    if world > 0:  # the launcher knows the world size: check the layout against it too
+        from parallelisms.parallel_dims import ParallelDims
+        from trainer.configurable import ConfigError
+
+        try:
+            ParallelDims.from_config(cfg.parallelism, world)
+        except ConfigError as e:
+            print(str(e), file=sys.stderr)
+            return 2
     print(f"config ok: {cfg.job.config_file or '(defaults)'} model={cfg.model.name}/{cfg.model.flavor} "
           f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
           f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
