@@ -1,11 +1,10 @@
 """End to end: `./run_train.sh` with no config arguments trains the debug model and the loss falls."""
 
 import os
-import subprocess
 
 import pytest
 
-from tests.helpers import REPO, read_metrics
+from tests.helpers import REPO, read_metrics, run_killing_group
 
 
 @pytest.mark.slow
@@ -14,8 +13,8 @@ def test_run_train_sh_debug_model_learns(tmp_path):
     dump = tmp_path / "run"
     env = {**os.environ, "LOG_RANK": "0"}
     env.pop("OMP_NUM_THREADS", None)  # let run_train.sh use both cores, as a user's run would
-    proc = subprocess.run(["./run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "10"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
+    proc = run_killing_group(["./run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "10"],
+                             cwd=REPO, env=env, timeout=850)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(dump)
     steps = [r["step"] for r in records]
