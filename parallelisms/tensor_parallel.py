@@ -129,6 +129,26 @@ def stage_output_style():
     return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
 
 
+def model_level_plan(model: nn.Module, sequence_parallel: bool, loss_parallel_on: bool) -> dict:
+    """The plan for what sits outside the blocks (embedding, final norm, output head) of a
+    DecoderLM part; models add their block plans to it."""
+    norm = norm_style if sequence_parallel else norm_style_no_sp
+    plan: dict = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = embedding_style(sequence_parallel)
+    if model.norm is not None:
+        plan["norm"] = norm()
+    if model.output is not None:
+        plan["output"] = head_style(sequence_parallel, loss_parallel_on)
+    if sequence_parallel and not len(model.layers) and (model.tok_embeddings is None or model.output is None):
+        from trainer.configurable import ConfigError
+
+        raise ConfigError("config error: parallelism.module_fqns_per_model_part: with sequence parallel every "
+                          "pipeline stage needs at least one transformer block; move a block into the stage or "
+                          "set --parallelism.enable_sequence_parallel false")
+    return plan
+
+
 def apply_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     parallelize_module(module, tp_mesh, plan)
 

@@ -51,6 +51,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from trainer.memory import _hwm_bytes, _malloc_trim, _reset_hwm, _rss_bytes  # noqa: E402
 from parallelisms.activation_checkpoint import (  # noqa: E402
     SavedActivationCounter,
     apply_activation_checkpointing,
@@ -125,38 +126,9 @@ def _build(spec, args, device, dtype):
     return model.to(dtype)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _malloc_trim() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak_rss() -> bool:
-    """Linux: writing 5 to /proc/self/clear_refs resets the peak RSS (VmHWM)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak
+    peak = _hwm_bytes()
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak
 
 
 def _loss(model, tokens):
@@ -222,7 +194,7 @@ def run_mode(mode: str, opts, cfg) -> dict:
         torch.cuda.reset_peak_memory_stats()
     else:
         _malloc_trim()  # hand freed heap pages back, so the baseline is what is really held
-        _reset_peak_rss()
+        _reset_hwm()
         base_mem = _rss_bytes()
     walls, cpus = [], []
     for _ in range(opts.steps):

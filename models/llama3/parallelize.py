@@ -30,21 +30,9 @@ from parallelisms import tensor_parallel as tp
 def parallelize_llama(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     sp = bool(parallelism_cfg.enable_sequence_parallel)
     loss_parallel_on = not parallelism_cfg.disable_loss_parallel
-    plan: dict = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = tp.embedding_style(sp)
+    plan = tp.model_level_plan(model, sp, loss_parallel_on)
     norm = tp.norm_style if sp else tp.norm_style_no_sp
-    if model.norm is not None:
-        plan["norm"] = norm()
-    if model.output is not None:
-        plan["output"] = tp.head_style(sp, loss_parallel_on)
     keys = list(model.layers.keys())
-    if sp and not keys and (model.tok_embeddings is None or model.output is None):
-        from trainer.configurable import ConfigError
-
-        raise ConfigError("config error: parallelism.module_fqns_per_model_part: with sequence parallel every "
-                          "pipeline stage needs at least one transformer block; move a block into the stage or "
-                          "set --parallelism.enable_sequence_parallel false")
     for i, key in enumerate(keys):
         prefix = f"layers.{key}"
         if sp:
