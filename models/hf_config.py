@@ -62,6 +62,33 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
         raise HFConfigError(f"hf error: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def spec_for_hf_config(cfg: dict[str, Any], where: str = "config.json"):
+    """The ModelSpec whose HF adapter reads `cfg`'s model_type (one line when none does)."""
+    from models import MODEL_SPECS
+
+    model_type = cfg.get("model_type")
+    for spec in MODEL_SPECS.values():
+        if spec.state_dict_adapter is not None and model_type in spec.state_dict_adapter.reads_model_types():
+            return spec
+    known = sorted(t for s in MODEL_SPECS.values() if s.state_dict_adapter
+                   for t in s.state_dict_adapter.reads_model_types())
+    raise HFConfigError(f"hf error: {where}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def model_from_hf_folder(folder: str | Path) -> tuple[str, Any]:
+    """(model spec name, model args) that an HF folder's config.json describes: what
+    `--model.hf_path` builds (trainer/model_args.py applies the config overrides)."""
+    cfg = read_hf_config(folder)
+    spec = spec_for_hf_config(cfg, f"{Path(folder) / 'config.json'}")
+    return spec.name, spec.state_dict_adapter.args_from_hf(cfg)
+
+
+def matching_flavors(spec, args) -> list[str]:
+    """Flavors of `spec` with the same shape and math as `args` (by the adapter's signature)."""
+    sig = spec.state_dict_adapter.signature
+    return [name for name, a in spec.flavors.items() if sig(a) == sig(args)]
+
+
 def check_known_fields(cfg: dict[str, Any], known: Iterable[str], where: str) -> None:
     """Raises one line naming every field of `cfg` that is neither in `known` nor generic."""
     unknown = sorted(set(cfg) - set(known) - GENERIC_HF_FIELDS)
@@ -227,6 +254,27 @@ class HFStateDictAdapter:
     model_type: str = ""
     architecture: str = ""
     model_cls: Callable[[Any], torch.nn.Module]
+    # Other HF model_types this adapter (or a subclass it picks) reads, e.g. deepseek_v2.
+    also_reads: tuple[str, ...] = ()
+
+    @classmethod
+    def reads_model_types(cls) -> tuple[str, ...]:
+        return (cls.model_type, *cls.also_reads)
+
+    @classmethod
+    def for_args(cls, args: Any, hf_cfg: dict[str, Any] | None = None) -> "HFStateDictAdapter":
+        """The adapter for these args and (when importing) this HF config; a subclass may
+        pick another HF architecture here (DeepSeek: softmax routing is DeepSeek V2)."""
+        return cls(args, hf_cfg)
+
+    @classmethod
+    def hf_mtp_layers(cls, cfg: dict[str, Any]) -> int:
+        """Multi-token-prediction layers stored in a folder with this config.json."""
+        return 0
+
+    def check_exportable(self, sd: dict[str, torch.Tensor]) -> str | None:
+        """Why (some of) these native tensors cannot be written in this HF format, or None."""
+        return None
 
     def __init__(self, args: Any, hf_cfg: dict[str, Any] | None = None):
         self.args = args

@@ -39,12 +39,9 @@ class ParallelismConfig:
             raise ConfigError(
                 f"config error: parallelism.context_parallel_degree: {self.context_parallel_degree} is not supported "
                 "yet (context parallelism is not implemented); set it to 1")
-        try:
-            from models import MODEL_SPECS
+        from trainer.model_args import resolve_model
 
-            args = MODEL_SPECS[root.model.name].flavors[root.model.flavor]
-        except (ImportError, KeyError):
-            args = None
+        _, args = resolve_model(root)
         tp, pp = self.tensor_parallel_degree, self.pipeline_parallel_degree
         check_model_layout(args, tp=tp, pp=pp, seq_len=root.training.seq_len,
                            sequence_parallel=self.enable_sequence_parallel and tp > 1)

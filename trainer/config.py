@@ -24,6 +24,7 @@ from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, opt, set_field
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
+from trainer.model_args import MoEConfig, resolve_model
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
 from trainer.profiling import ProfilingConfig
 
@@ -46,10 +47,18 @@ class JobSection:
 class ModelSection:
     """[model]"""
 
-    name: str = opt("llama3", "Model spec name (see models/__init__.py).")
-    flavor: str = opt("debug", "Flavor of the model spec, e.g. debug, 8B, 70B.")
-    tokenizer_path: str = opt(DEFAULT_TOKENIZER, "tiktoken BPE file (base64 token + rank per line), e.g. "
-                              "Llama 3's tokenizer.model.")
+    name: str | None = opt(None, "Model spec name (see models/__init__.py). Default: llama3, or what "
+                           "model.hf_path's config.json holds (its model_type).")
+    flavor: str | None = opt(None, "Flavor of the model spec, e.g. debug, 8B, 70B. Default: debug; with "
+                             "model.hf_path the shape comes from config.json (a flavor given as well must match).")
+    hf_path: str | None = opt(None, "Hugging Face model folder (config.json + safetensors, FP8 included): the "
+                              "model name, shape, initial weights and tokenizer all come from it. The weights "
+                              "load when there is no checkpoint to resume from; checkpoint.enable is not needed.")
+    tokenizer_path: str | None = opt(None, "Tokenizer: an HF tokenizer.json, a tiktoken BPE file (base64 token + "
+                                     "rank per line, e.g. Llama 3's original/tokenizer.model), or a folder with "
+                                     "one. Default: model.hf_path's own, else the repo's debug tokenizer.")
+    mtp_depth: int = opt(0, "DeepSeek V3 multi-token prediction: MTP modules after the main model, each "
+                         "predicting one token further; trained with loss.mtp_weight. 0 = off.", min=0)
 
 
 @dataclass
@@ -91,6 +100,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig,
     "lr_scheduler": LRSchedulerConfig,
     "loss": LossConfig,
+    "moe": MoEConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
     "profiling": ProfilingConfig,
@@ -109,6 +119,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
@@ -122,17 +133,14 @@ class JobConfig:
 
     def validate(self) -> None:
         """Cross-field checks; each section may define `validate(root)`."""
-        from models import MODEL_SPECS
-
-        if self.model.name not in MODEL_SPECS:
-            raise ConfigError(_unknown("model.name", self.model.name, list(MODEL_SPECS)))
-        flavors = MODEL_SPECS[self.model.name].flavors
-        if self.model.flavor not in flavors:
-            raise ConfigError(_unknown("model.flavor", self.model.flavor, list(flavors), f" for {self.model.name}"))
+        _, args = resolve_model(self)  # the model is decided here, once (trainer/model_args.py)
         if self.training.dataset == "files" and not self.training.dataset_path:
             raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
                               "pass --training.dataset_path <file or folder>")
-        max_seq = getattr(flavors[self.model.flavor], "max_seq_len", None)
+        if self.model.hf_path and self.checkpoint.initial_load_path:
+            raise ConfigError("config error: checkpoint.initial_load_path: model.hf_path already gives the initial "
+                              "weights; drop one of the two")
+        max_seq = getattr(args, "max_seq_len", None)
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
                               f"max_seq_len {max_seq}; lower training.seq_len")
@@ -140,12 +148,6 @@ class JobConfig:
             section = getattr(self, name)
             if hasattr(section, "validate"):
                 section.validate(self)
-
-
-def _unknown(key: str, value: str, valid: list[str], where: str = "") -> str:
-    close = difflib.get_close_matches(value, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}"
 
 
 def resolve_config_path(name: str) -> Path:

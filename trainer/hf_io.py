@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.hf_config import HFConfigError, HFStateDictAdapter, Region, full_region, read_hf_config, region_shape
+from models.hf_config import (HFConfigError, HFStateDictAdapter, Region, full_region, matching_flavors,  # noqa: F401
+                              model_from_hf_folder, read_hf_config, region_shape, spec_for_hf_config)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,27 +57,12 @@ def spec_for_model(model: torch.nn.Module):
     raise HFConfigError(f"hf error: no model spec for {type(model).__name__}")
 
 
-def spec_for_hf_config(cfg: dict[str, Any]):
-    from models import MODEL_SPECS
-
-    model_type = cfg.get("model_type")
-    for spec in MODEL_SPECS.values():
-        if spec.state_dict_adapter is not None and spec.state_dict_adapter.model_type == model_type:
-            return spec
-    known = sorted(s.state_dict_adapter.model_type for s in MODEL_SPECS.values() if s.state_dict_adapter)
-    raise HFConfigError(f"hf error: config.json model_type {model_type!r} is not supported (supported: {known})")
-
-
 def args_from_hf_folder(folder: str | Path):
     """(spec, model args) described by an HF folder's config.json."""
-    cfg = read_hf_config(folder)
-    spec = spec_for_hf_config(cfg)
-    return spec, spec.state_dict_adapter.args_from_hf(cfg)
+    from models import MODEL_SPECS
 
-
-def matching_flavors(spec, args) -> list[str]:
-    sig = spec.state_dict_adapter.signature
-    return [name for name, a in spec.flavors.items() if sig(a) == sig(args)]
+    name, args = model_from_hf_folder(folder)
+    return MODEL_SPECS[name], args
 
 
 def register_hf_flavor(folder: str | Path, flavor: str = "hf") -> tuple[str, str]:
@@ -247,6 +233,16 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
                 _load_into(recipes[k], v, reader.get)
     finally:
         reader.close()
+
+
+def load_hf_weights(model_parts: list[torch.nn.Module], folder: str | Path) -> None:
+    """`load_hf_into_model` for `--model.hf_path`: a bad folder is one ConfigError line."""
+    from trainer.configurable import ConfigError
+
+    try:
+        load_hf_into_model(model_parts, folder)
+    except HFConfigError as e:
+        raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
 
 
 def load_hf_state_dict(folder: str | Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:

@@ -110,6 +110,7 @@ def _install_agent_handlers() -> None:
 
 def check_config(argv: list[str]) -> int:
     from trainer.config import main_guard
+    from trainer.model_args import model_label
 
     cfg = main_guard(argv)  # prints `config error: ...` and exits 2 on a bad config
     world = int(os.environ.get("TITAN_CHECK_WORLD_SIZE", "0"))
@@ -122,7 +123,7 @@ def check_config(argv: list[str]) -> int:
         except ConfigError as e:
             print(str(e), file=sys.stderr)
             return 2
-    print(f"config ok: {cfg.job.config_file or '(defaults)'} model={cfg.model.name}/{cfg.model.flavor} "
+    print(f"config ok: {cfg.job.config_file or '(defaults)'} model={model_label(cfg)} "
           f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
           f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
     return 0

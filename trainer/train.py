@@ -19,15 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models import get_model_spec
 from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
-from trainer.config import JobConfig, format_config, main_guard
+from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError
 from trainer.loss import IGNORE_INDEX, chunked_ce_loss_sum, cross_entropy_sum, install_chunked_ce_head
+from trainer.hf_io import load_hf_weights
 from trainer.metrics import MetricsLogger
+from trainer.model_args import check_tokenizer_fits, describe_args, model_label, resolve_model, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
@@ -42,8 +43,7 @@ def setup_logging() -> None:
 
 
 def build_model_on_meta(cfg: JobConfig):
-    spec = get_model_spec(cfg.model.name)
-    args = spec.flavors[cfg.model.flavor]
+    spec, args = resolve_model(cfg)
     with torch.device("meta"):
         model = spec.model_cls(args)
     return spec, args, model
@@ -54,7 +54,8 @@ def dry_run(cfg: JobConfig) -> dict[str, float]:
     spec, args, model = build_model_on_meta(cfg)
     summary = spec.summary_fn(model, args, cfg.training.seq_len)
     print(format_config(cfg))
-    print(f"model: {cfg.model.name} {cfg.model.flavor}")
+    print(f"model: {model_label(cfg)}")
+    print(f"model args: {describe_args(args)}")
     print(f"parameters: {int(summary['params']):,}")
     if "activated_params" in summary:
         print(f"activated parameters: {int(summary['activated_params']):,}")
@@ -72,8 +73,7 @@ class Trainer:
         self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dims = ParallelDims.from_config(cfg.parallelism, tdist.world_size())
-        self.spec = get_model_spec(cfg.model.name)
-        self.model_args = self.spec.flavors[cfg.model.flavor]
+        self.spec, self.model_args = resolve_model(cfg)
         self.dims.validate_model(self.model_args, t.seq_len,
                                  cfg.parallelism.enable_sequence_parallel and self.dims.tp_enabled)
         self.dims.build_mesh(self.device.type)
@@ -98,12 +98,8 @@ class Trainer:
         from trainer.data import build_dataloader
         from trainer.data.tokenizer import build_tokenizer
 
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        vocab = getattr(self.model_args, "vocab_size")
-        if self.tokenizer.vocab_size > vocab:
-            raise ConfigError(
-                f"config error: model.tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
-                f"{cfg.model.name} {cfg.model.flavor} has vocab_size {vocab}; use a matching tokenizer or flavor")
+        self.tokenizer = build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER))
+        check_tokenizer_fits(self.tokenizer, self.model_args, model_label(cfg))
         self.dataloader = build_dataloader(
             dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
@@ -144,7 +140,10 @@ class Trainer:
             if tdist.world_size() != 1:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
+        resuming = cfg.checkpoint.enable and self.checkpointer.resume_path() is not None
         self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
+        if cfg.model.hf_path and not resuming:  # model.hf_path: its weights, unless a checkpoint resumes
+            load_hf_weights(self.model_parts, cfg.model.hf_path)
         # Global rank 0 logs (what run_train.sh shows by default): train_step all-reduces the
         # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm
         # is global, so every rank holds the values it logs.
@@ -155,7 +154,7 @@ class Trainer:
         self.data_iter = iter(self.dataloader)
         gc.disable()
         if self.rank == 0:
-            logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} params, "
+            logger.info(f"model {model_label(cfg)}: {self.num_params:,} params, "
                         f"{self.flops_per_token:,.0f} FLOPs/token; world {tdist.world_size()} "
                         f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}, "
                         f"pp {self.dims.pp}, ep {self.dims.ep}); {self.device.type}/{self.backend or 'single'}, "

@@ -57,6 +57,10 @@ class DeepSeekV3Args:
     # Init std of the weights that write into the residual stream is scaled by depth.
     depth_init: bool = True
 
+    # Multi-token prediction (models/deepseek_v3/mtp.py): MTP modules after the main model,
+    # module k predicting the token k + 1 positions ahead. 0 = none.
+    mtp_depth: int = 0
+
     def __post_init__(self) -> None:
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be softmax or sigmoid, got {self.score_func!r}")
@@ -68,6 +72,8 @@ class DeepSeekV3Args:
             raise ValueError("n_activated_experts exceeds the experts in the kept groups")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
+        if self.mtp_depth < 0:
+            raise ValueError("mtp_depth must be >= 0")
 
     # ---- derived ----
     @property

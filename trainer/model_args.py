@@ -1,0 +1,164 @@
+"""Which model a run builds: `resolve_model(cfg) -> (spec, args)`, decided once.
+
+The shape of the model comes from one of two places: `model.flavor` (a named args
+dataclass of the spec), or, with `model.hf_path`, the folder's config.json, so that a
+published checkpoint trains with one option and no flavor of its own. Config
+overrides (`model.mtp_depth`, the `[moe]` knobs) are then applied to those args with
+`dataclasses.replace`. Every consumer (config validation, the trainer, the dry run,
+the memory estimator, parallelism checks) reads the result, cached on the config, so
+they can never disagree about the model.
+
+The `[moe]` section lives here, not in models/common/moe.py: models know nothing of
+the trainer's config (layering), and resolve_model maps the section onto the fields
+of the model's args.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.configurable import ConfigError, opt
+
+DEFAULT_MODEL, DEFAULT_FLAVOR = "llama3", "debug"
+
+
+@dataclass
+class MoEConfig:
+    """[moe]: load balancing of mixture-of-experts models (DeepSeek V3)."""
+
+    bias_update_rate: float | None = opt(
+        None, "Auxiliary-loss-free balancing: after each optimizer step expert_bias += rate * sign(mean load - "
+        "load). 0 freezes the routing bias. Default: the model's own (1e-3 for DeepSeek V3).", min=0.0)
+    aux_loss_coeff: float | None = opt(
+        None, "Coefficient of the sequence-wise balance loss (DeepSeek V3's alpha), normalised once per global "
+        "batch; 0 = off. Default: the model's own (0).", min=0.0)
+
+
+# [moe] field -> the model-args field it sets.
+_MOE_FIELDS = {"bias_update_rate": "load_balance_coeff", "aux_loss_coeff": "aux_loss_coeff"}
+
+
+def _unknown(key: str, value: str, valid: list[str], where: str = "") -> ConfigError:
+    close = difflib.get_close_matches(value, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}")
+
+
+def _from_hf(m) -> tuple[Any, Any]:
+    from models import MODEL_SPECS
+    from models.hf_config import HFConfigError, matching_flavors, model_from_hf_folder, read_hf_config
+
+    folder = Path(m.hf_path)
+    try:
+        name, args = model_from_hf_folder(folder)
+        hf_cfg = read_hf_config(folder)
+    except HFConfigError as e:
+        raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
+    spec = MODEL_SPECS[name]
+    if m.name is not None and m.name != name:
+        raise ConfigError(f"config error: model.name: {folder}/config.json holds a {hf_cfg.get('model_type')!r} "
+                          f"model, which is {name!r} here, not {m.name!r}; pass --model.name {name} or drop "
+                          "model.name (model.hf_path sets it)")
+    if m.flavor is not None:
+        if m.flavor not in spec.flavors:
+            raise _unknown("model.flavor", m.flavor, list(spec.flavors), f" for {name}")
+        diff = spec.state_dict_adapter(spec.flavors[m.flavor]).mismatches(args)
+        if diff:
+            fits = matching_flavors(spec, args)
+            hint = f"use --model.flavor {fits[0]}" if fits else "drop model.flavor (model.hf_path gives the shape)"
+            raise ConfigError(f"config error: model.flavor: {m.flavor} does not match {folder}/config.json "
+                              f"(config.json vs flavor: {'; '.join(diff)}); {hint}")
+    if m.mtp_depth > 0:
+        stored = spec.state_dict_adapter.hf_mtp_layers(hf_cfg)
+        if m.mtp_depth > stored:
+            raise ConfigError(f"config error: model.mtp_depth: {folder} holds {stored} multi-token-prediction "
+                              f"layer(s) (num_nextn_predict_layers) and cannot initialise {m.mtp_depth}; use "
+                              f"--model.mtp_depth {stored}")
+    return spec, args
+
+
+def _from_flavor(m) -> tuple[Any, Any]:
+    from models import MODEL_SPECS
+
+    name = m.name or DEFAULT_MODEL
+    if name not in MODEL_SPECS:
+        raise _unknown("model.name", name, list(MODEL_SPECS))
+    spec = MODEL_SPECS[name]
+    flavor = m.flavor or DEFAULT_FLAVOR
+    if flavor not in spec.flavors:
+        raise _unknown("model.flavor", flavor, list(spec.flavors), f" for {name}")
+    return spec, spec.flavors[flavor]
+
+
+def _apply_overrides(cfg, spec, args):
+    m, moe = cfg.model, getattr(cfg, "moe", None)
+    fields = {f.name for f in dataclasses.fields(args)}
+    changes: dict[str, Any] = {}
+    if m.mtp_depth > 0:
+        if "mtp_depth" not in fields:
+            raise ConfigError(f"config error: model.mtp_depth: {spec.name} has no multi-token prediction; set it "
+                              "to 0")
+        changes["mtp_depth"] = m.mtp_depth
+    elif "mtp_depth" in fields:
+        changes["mtp_depth"] = 0
+    for key, field in _MOE_FIELDS.items():
+        value = getattr(moe, key, None) if moe is not None else None
+        if value is None:
+            continue
+        if field not in fields:
+            raise ConfigError(f"config error: moe.{key}: {spec.name} has no mixture-of-experts layers; drop it")
+        changes[field] = value
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def _cache_key(cfg) -> tuple:
+    m, moe = cfg.model, getattr(cfg, "moe", None)
+    return (m.name, m.flavor, m.hf_path, m.mtp_depth, None if moe is None else dataclasses.astuple(moe))
+
+
+def resolve_model(cfg) -> tuple[Any, Any]:
+    """(ModelSpec, model args) of the run `cfg` (a JobConfig) describes; raises ConfigError
+    in one line. Writes the resolved model name (and flavor, without hf_path) back into
+    cfg.model, so printed configs and logs show what is built. Cached on `cfg`."""
+    cached = getattr(cfg, "_resolved_model", None)
+    if cached is not None and cached[0] == _cache_key(cfg):
+        return cached[1]
+    m = cfg.model
+    spec, args = _from_hf(m) if m.hf_path else _from_flavor(m)
+    args = _apply_overrides(cfg, spec, args)
+    m.name = spec.name
+    if not m.hf_path:
+        m.flavor = m.flavor or DEFAULT_FLAVOR
+    cfg._resolved_model = (_cache_key(cfg), (spec, args))
+    return spec, args
+
+
+def model_label(cfg) -> str:
+    """`llama3 8B` or `deepseek_v3 from /data/DeepSeek-V3`, for logs and messages."""
+    m = cfg.model
+    return f"{m.name} from {m.hf_path}" if m.hf_path else f"{m.name} {m.flavor}"
+
+
+def describe_args(args: Any) -> str:
+    """The resolved shape, one `field=value` per args field, for the dry run."""
+    return ", ".join(f"{f.name}={getattr(args, f.name)!r}" for f in dataclasses.fields(args))
+
+
+def tokenizer_path(cfg, default: str) -> str:
+    """model.tokenizer_path, else the HF folder's own tokenizer, else `default`."""
+    m = cfg.model
+    return m.tokenizer_path or m.hf_path or default
+
+
+def check_tokenizer_fits(tokenizer, args, label: str) -> None:
+    """A model vocab at least the tokenizer's (real checkpoints pad their embeddings), or one line."""
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"config error: model.tokenizer_path: the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens "
+            f"but {label} has vocab_size {vocab}; use the model's own tokenizer (an HF model folder's, or the one "
+            "it was trained with) or a model with a larger vocabulary")
