@@ -73,8 +73,32 @@ def _legacy_rope(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
+def build_hf_tokenizer(folder: Path, vocab: int, *, bos: str = "<|begin_of_text|>",
+                       eos: str = "<|end_of_text|>") -> Path:
+    """A real byte-level BPE `tokenizer.json` of `vocab` - 8 ids (so that it fits a model of
+    `vocab`), trained with the `tokenizers` library on a slice of the builtin corpus, plus
+    the tokenizer_config.json naming its BOS / EOS (as HF folders have)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from trainer.data.builtin_corpus import builtin_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [bos, eos, "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 8, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(builtin_documents(max_files=40), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos, "pad_token": "<|pad|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
 def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True, tied: bool = False,
-                   legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0) -> Path:
+                   legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0,
+                   tokenizer: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # Legacy kwargs (rope_theta + rope_scaling) work in every transformers release; v5 saves them
@@ -96,11 +120,13 @@ def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True,
     model.save_pretrained(folder)
     if legacy:
         _legacy_rope(folder)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab)
     return folder
 
 
 def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, legacy: bool = False,
-                      vocab: int = 256, seed: int = 0) -> Path:
+                      vocab: int = 256, seed: int = 0, tokenizer: bool = False) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     scaling = None
@@ -122,6 +148,8 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
     model.save_pretrained(folder)
     if legacy:
         _legacy_rope(folder)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab, bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")
     return folder
 
 

@@ -229,6 +229,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             raise ConfigError(f"config error: {path} is not valid TOML: {e}") from None
         _apply_table(cfg, table, str(path))
         cfg.job.config_file = str(path)
+        if any((s, k) == ("model", "hf_path") for s, k, _ in overrides):
+            # A command-line HF folder replaces the file's model: its name, shape and tokenizer
+            # come from the folder (ones given on the command line as well are still checked).
+            cfg.model.name = cfg.model.flavor = cfg.model.tokenizer_path = None
     for section, key, value in overrides:
         if (section, key) == ("job", "config_file"):
             continue

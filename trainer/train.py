@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from models.common.moe import set_aux_loss_sequences
 from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
@@ -129,6 +130,8 @@ class Trainer:
                 part.init_weights(buffer_device=self.device)
             part.train()
         tdist.set_seed(t.seed, t.deterministic)
+        # MoE balance loss: one mean over the sequences of the global batch (a no-op without MoE).
+        set_aux_loss_sequences(self.model_parts, self.global_batch_size)
 
         # ---- optimizer, schedule, checkpoint, metrics ----
         self.optimizers = [build_optimizer(p.parameters(), cfg.optimizer, self.device.type) for p in self.model_parts]

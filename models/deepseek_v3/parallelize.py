@@ -23,8 +23,9 @@ DTensors with plain tensors.
   the MoE input is the replicated full sequence: router and routed experts are
   replicated and each TP rank computes them whole; shared experts are column/row-wise.
   EP with TP but without SP is refused (see parallelisms/expert_parallel.py).
-- Limitation: with SP, the sequence balance loss (`aux_loss_coeff` > 0) is computed on
-  each rank's sequence shard, not on whole sequences.
+- The sequence balance loss under SP: each rank routes its own sequence shard; the pick
+  counts are summed over TP (`MoE.aux_loss_count_group`), so the loss is that of whole
+  sequences and its router gradient, summed over TP, that of one rank.
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     for block in model.layers.values():
         att = block.attention
         att.wkv_a.register_forward_hook(_sum_rope_key_grad_hook(att.kv_lora_rank, tp_mesh.get_group()))
-    if sp and ep <= 1:
-        # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
-        for block in model.layers.values():
-            if block.moe_enabled:
+    for block in model.layers.values():
+        if block.moe_enabled and sp:
+            # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
+            block.moe.aux_loss_count_group = tp_mesh
+            if ep <= 1:
+                # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
                 block.moe.experts.partial_grad_over_replicate = True
 
 
