@@ -89,6 +89,40 @@ def matching_flavors(spec, args) -> list[str]:
     return [name for name, a in spec.flavors.items() if sig(a) == sig(args)]
 
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def fp8_block_size(cfg: dict[str, Any], where: str) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-quantized checkpoint (DeepSeek V3's
+    `quantization_config`: quant_method fp8, weight_block_size [128, 128]); None when the
+    folder is not quantized. Any other quantization is refused in one line."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    require(isinstance(q, dict), f"{where}: quantization_config must be a dict")
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
+        raise HFConfigError(f"hf error: {where}: quantization {method!r} (weight_block_size {block}) is not "
+                            "supported; only FP8 block-quantized weights (quant_method fp8 with a 2-D "
+                            "weight_block_size) are dequantized on import")
+    require(q.get("fmt", "e4m3") == "e4m3", f"{where}: FP8 format {q.get('fmt')!r} is not supported (only e4m3)")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, region: tuple[slice, slice],
+                         block: tuple[int, int]) -> torch.Tensor:
+    """fp32 `weight * scale` for the rows/cols `region` of a block-quantized tensor.
+
+    `weight` is that region of the FP8 tensor; `scale_inv` holds the scales of the blocks
+    the region touches, starting at block (region rows.start // br, cols.start // bc).
+    Blocks at the right / bottom edge may be partial: their scale covers what is there."""
+    (rows, cols), (br, bc) = region, block
+    r = torch.arange(rows.start, rows.stop) // br - rows.start // br
+    c = torch.arange(cols.start, cols.stop) // bc - cols.start // bc
+    return weight.to(torch.float32) * scale_inv.to(torch.float32)[r][:, c]
+
+
 def check_known_fields(cfg: dict[str, Any], known: Iterable[str], where: str) -> None:
     """Raises one line naming every field of `cfg` that is neither in `known` nor generic."""
     unknown = sorted(set(cfg) - set(known) - GENERIC_HF_FIELDS)
@@ -183,6 +217,18 @@ class Same(Recipe):
 
     def to_hf(self, t):
         return {self.hf_keys[0]: t}
+
+
+class SameWithCopies(Same):
+    """native == hf_key; the export also writes identical copies under `copies` (DeepSeek
+    MTP layers store the shared embedding and head again). Import reads only hf_key."""
+
+    def __init__(self, hf_key: str, copies: Iterable[str]):
+        super().__init__(hf_key)
+        self.copies = list(copies)
+
+    def to_hf(self, t):
+        return {k: t for k in [self.hf_keys[0], *self.copies]}
 
 
 class RowPermuted(Recipe):
@@ -299,8 +345,9 @@ class HFStateDictAdapter:
         raise NotImplementedError
 
     def is_ignored_hf_key(self, key: str) -> bool:
-        """HF keys that may be present but that we drop (e.g. rotary inv_freq buffers)."""
-        return key.endswith("rotary_emb.inv_freq")
+        """HF keys that may be present but that we drop (rotary inv_freq buffers; FP8 block
+        scales, which the reader applies to their weights)."""
+        return key.endswith(("rotary_emb.inv_freq", "_scale_inv"))
 
     # ---- generic ----
     def native_shapes(self) -> dict[str, tuple[int, ...]]:

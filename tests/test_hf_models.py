@@ -153,6 +153,41 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
     return folder
 
 
+def add_hf_mtp_layers(folder: Path, depth: int = 1, seed: int = 5) -> Path:
+    """Appends `depth` DeepSeek V3 MTP layers to an HF folder in the hub layout
+    (`model.layers.{n_layers + k}.*`: enorm, hnorm, eh_proj, a MoE block, shared_head.norm,
+    and copies of the embedding and head), random weights, num_nextn_predict_layers set.
+    transformers ignores these layers (it has no MTP)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    sd = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."  # a MoE layer: the MTP block has the same keys
+    dim = cfg["hidden_size"]
+    for k in range(depth):
+        p = f"model.layers.{n + k}."
+        for key in [x for x in sd if x.startswith(last)]:
+            t = sd[key]
+            if key.endswith("norm.weight"):
+                new = 1 + 0.3 * torch.randn(t.shape, generator=g)
+            elif key.endswith("e_score_correction_bias"):
+                new = 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                new = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+            sd[p + key.removeprefix(last)] = new.to(t.dtype)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            sd[f"{p}{name}.weight"] = 1 + 0.3 * torch.randn(dim, generator=g)
+        sd[f"{p}eh_proj.weight"] = torch.randn(dim, 2 * dim, generator=g) / math.sqrt(2 * dim)
+        sd[f"{p}embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+        sd[f"{p}shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = depth
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
 CASES = {
     "llama_gqa_llama3rope": lambda d: build_hf_llama(d, gqa=True, rope_scaling=True),
     "llama_mha_tied_legacycfg": lambda d: build_hf_llama(d, gqa=False, rope_scaling=False, tied=True, legacy=True),

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.hf_config import (HFConfigError, HFStateDictAdapter, Region, full_region, matching_flavors,  # noqa: F401
+from models.hf_config import (FP8_DTYPES, HFConfigError, HFStateDictAdapter, Region,  # noqa: F401
+                              dequantize_fp8_block, fp8_block_size, full_region, matching_flavors,
                               model_from_hf_folder, read_hf_config, region_shape, spec_for_hf_config)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,13 +78,20 @@ def register_hf_flavor(folder: str | Path, flavor: str = "hf") -> tuple[str, str
 
 
 class HFReader:
-    """Lazy reader of a safetensors folder: single file or sharded with an index."""
+    """Lazy reader of a safetensors folder: single file or sharded with an index.
+
+    FP8 block-quantized weights (DeepSeek V3 on the Hub: `weight` in float8_e4m3fn next to
+    `weight_scale_inv`, one fp32 scale per block) come out dequantized to fp32, region by
+    region: a rank reads only its slice of the FP8 tensor and the few scales covering it."""
 
     def __init__(self, folder: str | Path):
         from safetensors import safe_open
 
         self._safe_open = safe_open
         self.folder = Path(folder)
+        self.fp8_block = None
+        if (self.folder / "config.json").is_file():
+            self.fp8_block = fp8_block_size(read_hf_config(self.folder), f"{self.folder / 'config.json'}")
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -111,11 +119,24 @@ class HFReader:
         return {k: tuple(self._handle(k).get_slice(k).get_shape()) for k in self.weight_map}
 
     def get(self, key: str, region: Region) -> torch.Tensor:
-        """The block `region` of tensor `key`, reading only those bytes."""
-        return self._handle(key).get_slice(key)[tuple(region)]
+        """The block `region` of tensor `key`, reading only those bytes (dequantized if FP8)."""
+        block = self._handle(key).get_slice(key)[tuple(region)]
+        scale_key = key + "_scale_inv"
+        if block.dtype in FP8_DTYPES and scale_key in self.weight_map:
+            if self.fp8_block is None or len(region) != 2:
+                raise HFConfigError(f"hf error: {self.folder}: {key} is FP8 with block scales, but config.json "
+                                    "has no quantization_config with a 2-D weight_block_size")
+            (rows, cols), (br, bc) = region, self.fp8_block
+            scales = self._handle(scale_key).get_slice(scale_key)[
+                rows.start // br: (rows.stop - 1) // br + 1, cols.start // bc: (cols.stop - 1) // bc + 1]
+            block = dequantize_fp8_block(block, scales, region, self.fp8_block)
+        elif block.dtype in FP8_DTYPES:
+            raise HFConfigError(f"hf error: {self.folder}: {key} is {block.dtype} without {scale_key}; only FP8 "
+                                "block-quantized weights (with their scales) can be read")
+        return block
 
     def full(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+        return self.get(key, full_region(self._handle(key).get_slice(key).get_shape()))
 
     def close(self) -> None:
         for h in self._handles.values():

@@ -44,12 +44,21 @@ class LossConfig:
     chunked_ce: bool = opt(False, "Fuse the output projection into a chunked cross entropy that never "
                            "materialises the full [tokens, vocab] logits.")
     ce_chunk_size: int = opt(1024, "Tokens per chunk for chunked_ce.", min=1)
+    mtp_weight: float = opt(0.3, "Weight of the multi-token-prediction loss (model.mtp_depth > 0): loss = main + "
+                            "mtp_weight / depth * sum of the depths' mean token losses (DeepSeek V3: 0.3, later "
+                            "0.1).", min=0.0)
 
     def validate(self, root) -> None:
         from trainer.configurable import ConfigError
 
+        if root.model.mtp_depth >= root.training.seq_len:
+            raise ConfigError(f"config error: model.mtp_depth: {root.model.mtp_depth} MTP depths leave no token to "
+                              f"predict in sequences of {root.training.seq_len}; use a smaller depth")
         if not self.chunked_ce:
             return
+        if root.model.mtp_depth > 0:
+            raise ConfigError("config error: loss.chunked_ce: not supported with model.mtp_depth > 0 (the MTP depths "
+                              "share the output head); set --loss.chunked_ce false or --model.mtp_depth 0")
         par = root.parallelism
         if par.tensor_parallel_degree > 1:
             raise ConfigError(
@@ -67,6 +76,78 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Sum of token losses, in fp32, ignoring IGNORE_INDEX labels."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def mtp_targets(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """[depth * B, S]: what MTP depth k (1..depth) predicts at position i, labels[i + k]
+    (the token k + 1 ahead of input i); the last k positions predict nothing."""
+    from models.deepseek_v3.mtp import mtp_targets as targets
+
+    return targets(labels, depth)
+
+
+class TokenLoss:
+    """The loss of one optimizer step, as the trainer's `loss_fn(logits, labels)`.
+
+    Every term is a summed token loss divided by its number of valid tokens in the whole
+    global batch (`start_step` counts them over all microbatches and data-parallel
+    ranks), so gradients do not depend on the split. With multi-token prediction the
+    logits are [(1 + D) * B, S, V] (main head first, then depth 1..D, see
+    models/deepseek_v3/mtp.py) and
+
+        loss = main / N_0 + mtp_weight / D * sum_k CE_k / N_k,
+
+    N_k counting the positions depth k can predict (D = 0 is the plain next-token loss).
+    `totals()` returns the detached terms accumulated since `start_step`: [main mean,
+    depth-1 mean, ...], what the trainer reduces and logs (loss and mtp_loss).
+
+    `ce(logits, labels)` is the summed cross entropy: `cross_entropy_sum`, or its
+    loss-parallel version on vocab-sharded DTensor logits.
+    """
+
+    def __init__(self, mtp_depth: int = 0, mtp_weight: float = 0.0, ce=cross_entropy_sum):
+        self.depth, self.weight, self.ce = mtp_depth, mtp_weight, ce
+        self.counts: torch.Tensor | None = None
+        self._totals: torch.Tensor | None = None
+
+    def start_step(self, batches, dp_group=None) -> torch.Tensor:
+        """Counts valid tokens per term over `batches` (every microbatch of the step) and
+        `dp_group`; returns the counts [1 + D]."""
+        per_term = []
+        for _, labels in batches:
+            terms = [labels] + [mtp_targets(labels, self.depth)[k * labels.shape[0]:(k + 1) * labels.shape[0]]
+                                for k in range(self.depth)]
+            per_term.append(torch.stack([(t != IGNORE_INDEX).sum() for t in terms]))
+        counts = torch.stack(per_term).sum(dim=0).to(torch.float32)
+        if dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=dp_group)
+        self.counts = counts
+        self._totals = torch.zeros(1 + self.depth, dtype=torch.float32, device=counts.device)
+        return counts
+
+    def scaled_main(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """A main-head summed loss computed elsewhere (chunked CE), normalised and recorded."""
+        loss = loss_sum / self.counts[0]
+        self._totals[0] += loss.detach()
+        return loss
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.depth == 0:
+            return self.scaled_main(self.ce(logits, labels))
+        b = labels.shape[0]
+        if logits.shape[0] != (1 + self.depth) * b:
+            raise RuntimeError(f"multi-token prediction: expected logits for {1 + self.depth} x {b} rows, got "
+                               f"{logits.shape[0]}; the model must be called with mtp_labels")
+        targets = torch.cat([labels, mtp_targets(labels, self.depth)], dim=0)
+        terms = torch.stack([self.ce(logits[k * b:(k + 1) * b], targets[k * b:(k + 1) * b]) / self.counts[k]
+                             for k in range(1 + self.depth)])
+        self._totals += terms.detach()
+        return terms[0] + (self.weight / self.depth) * terms[1:].sum()
+
+    def totals(self) -> torch.Tensor:
+        return self._totals
 
 
 # ---------------------------------------------------------------------------

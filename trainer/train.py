@@ -9,6 +9,7 @@ post-step hook (MoE bias update), then log, checkpoint and profile.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -26,7 +27,7 @@ from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError
-from trainer.loss import IGNORE_INDEX, chunked_ce_loss_sum, cross_entropy_sum, install_chunked_ce_head
+from trainer.loss import TokenLoss, chunked_ce_loss_sum, cross_entropy_sum, install_chunked_ce_head
 from trainer.hf_io import load_hf_weights
 from trainer.metrics import MetricsLogger
 from trainer.model_args import check_tokenizer_fits, describe_args, model_label, resolve_model, tokenizer_path
@@ -111,6 +112,8 @@ class Trainer:
         summary = self.spec.summary_fn(model, self.model_args, t.seq_len)
         # loss.chunked_ce: the output Linear becomes a head that computes the loss (same params/FQNs).
         self.chunked_ce = install_chunked_ce_head(model, cfg.loss)
+        self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
+        self.token_loss = self.build_token_loss()
         self.num_params, self.flops_per_token = summary["params"], summary["flops_per_token"]
         self.pp_schedule = None
         self.has_first_stage = self.has_last_stage = True
@@ -200,27 +203,28 @@ class Trainer:
         return part
 
     # ---- loss ----
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss scaled by 1 / global valid tokens (set per step)."""
+    def build_token_loss(self) -> TokenLoss:
+        """Summed token losses / global valid tokens (trainer/loss.py), MTP depths included."""
+        ce = cross_entropy_sum
         if self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
             # Logits are vocab-sharded DTensors; the helper also runs the loss's backward
             # under loss_parallel, wherever that backward is called (here or in a PP schedule).
             from parallelisms.tensor_parallel import loss_parallel_loss
 
-            return loss_parallel_loss(cross_entropy_sum, logits, labels) / self._global_tokens
-        return cross_entropy_sum(logits, labels) / self._global_tokens
+            ce = functools.partial(loss_parallel_loss, cross_entropy_sum)
+        return TokenLoss(self.mtp_depth, self.cfg.loss.mtp_weight, ce)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.token_loss(logits, labels)
+
+    def forward_kwargs(self, labels: torch.Tensor) -> dict:
+        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
+        return {"mtp_labels": labels} if self.mtp_depth else {}
 
     # ---- one optimizer step ----
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [tuple(x.to(self.device, non_blocking=True) for x in next(self.data_iter))
                 for _ in range(self.grad_accum_steps)]
-
-    def count_global_tokens(self, batches) -> torch.Tensor:
-        local = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(torch.float32)
-        dp_mesh = self.dims.mesh("dp_cp")
-        if dp_mesh is not None:
-            dist.all_reduce(local, group=dp_mesh.get_group())
-        return local
 
     def autocast(self):
         """bf16 compute without FSDP (one GPU, or CPU when asked); a no-op in fp32 and under FSDP."""
@@ -230,30 +234,29 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float]:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        self._global_tokens = self.count_global_tokens(batches)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        dp_mesh = self.dims.mesh("dp_cp")
+        self.token_loss.start_step(batches, dp_mesh.get_group() if dp_mesh is not None else None)
         if self.pp_schedule is not None:
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
                 targets = labels if self.has_last_stage else None
                 if self.has_first_stage:
-                    self.pp_schedule.step(inputs, target=targets, losses=losses)
+                    self.pp_schedule.step(inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
                 else:
-                    self.pp_schedule.step(target=targets, losses=losses)
-                if self.has_last_stage:
-                    loss_sum += torch.stack(losses).sum().detach()
+                    self.pp_schedule.step(target=targets, losses=losses, **self.forward_kwargs(labels))
             # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
+            loss_sum = self.token_loss.totals()
             dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         else:
             model = self.model_parts[0]
             for inputs, labels in batches:
                 with self.autocast():
                     if self.chunked_ce:  # the head computes the summed loss while FSDP has its weight gathered
-                        loss = chunked_ce_loss_sum(model, inputs, labels) / self._global_tokens
+                        loss = self.token_loss.scaled_main(chunked_ce_loss_sum(model, inputs, labels))
                     else:
-                        loss = self.loss_fn(model(inputs), labels)
+                        loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
                 loss.backward()
-                loss_sum += loss.detach()
+            loss_sum = self.token_loss.totals()
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
             pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
@@ -266,11 +269,12 @@ class Trainer:
         if self.spec.post_optimizer_step_fn is not None:
             for part in self.model_parts:
                 self.step_extra_metrics.update(self.spec.post_optimizer_step_fn(part, self.dims) or {})
-        # The logged loss is the global mean over valid tokens.
-        dp_mesh = self.dims.mesh("dp_cp")
+        # The logged loss is the global mean over valid tokens (the main head's; MTP depths apart).
         if dp_mesh is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
-        return loss_sum.item(), float(grad_norm.item())
+        if self.mtp_depth:
+            self.step_extra_metrics["mtp_loss"] = loss_sum[1:].mean().item()
+        return loss_sum[0].item(), float(grad_norm.item())
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training

@@ -50,9 +50,11 @@ from models.hf_config import (
     Recipe,
     RowPermuted,
     Same,
+    SameWithCopies,
     StackedTransposed,
     check_known_fields,
     dtype_name,
+    fp8_block_size,
     half_rope_rows_perm,
     layer_index,
     parse_rope,
@@ -76,6 +78,13 @@ _LAYER_RENAMES = {
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+# MTP layer k (native `mtp.{k}.*`) is HF layer n_layers + k; its block keys are a layer's.
+_MTP_RENAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
 _EXPERT_RENAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _TOP_RENAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -90,6 +99,7 @@ _KNOWN_FIELDS = {
     "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave",
     "attention_bias", "attention_dropout", "tie_word_embeddings", "num_nextn_predict_layers", "num_mtp_layers",
     "scoring_func", "topk_method", "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "auto_map",
+    "quantization_config",
 }
 
 
@@ -110,7 +120,6 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
         # Our exports are written interleaved (DeepSeek's own layout), like the published checkpoints.
         self.interleaved = bool(cfg.get("rope_interleave", True))
         self.tied = bool(cfg.get("tie_word_embeddings", False))
-        self.n_mtp = int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0)
 
     # ---- names ----
     def _rope_rows(self, hf_key: str, n_rows: int, groups) -> Recipe:
@@ -118,16 +127,35 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
             return Same(hf_key)
         return RowPermuted(hf_key, half_rope_rows_perm(n_rows, groups))
 
+    def _mtp_copies(self, name: str) -> list[str]:
+        return [f"model.layers.{self.args.n_layers + k}.{name}" for k in range(self.args.mtp_depth)]
+
     def recipe_for(self, key: str) -> Recipe:
         a: DeepSeekV3Args = self.args
         if key == "output.weight" and self.tied:
             return Same("model.embed_tokens.weight")
+        if key in ("tok_embeddings.weight", "output.weight") and a.mtp_depth:
+            # MTP layers share them; the hub layout stores a copy in each MTP layer.
+            copy = "embed_tokens.weight" if key == "tok_embeddings.weight" else "shared_head.head.weight"
+            return SameWithCopies(_TOP_RENAMES[key], self._mtp_copies(copy))
         if key in _TOP_RENAMES:
             return Same(_TOP_RENAMES[key])
+        m = re.match(r"^mtp\.(\d+)\.(.+)$", key)
+        if m is not None:
+            prefix, rest = f"model.layers.{a.n_layers + int(m.group(1))}.", m.group(2)
+            if rest in _MTP_RENAMES:
+                return Same(prefix + _MTP_RENAMES[rest])
+            if rest.startswith("block."):
+                return self._layer_recipe(a.n_layers + int(m.group(1)), rest.removeprefix("block."), key)
+            raise HFConfigError(f"hf error: deepseek_v3: no HF name for native key {key!r}")
         m = re.match(r"^layers\.(\d+)\.(.+)$", key)
         if m is None:
             raise HFConfigError(f"hf error: deepseek_v3: no HF name for native key {key!r}")
-        i, rest = m.group(1), m.group(2)
+        return self._layer_recipe(int(m.group(1)), m.group(2), key)
+
+    def _layer_recipe(self, i: int, rest: str, key: str) -> Recipe:
+        """The recipe of `rest` (a block's own key) in HF layer i (a decoder or an MTP layer)."""
+        a: DeepSeekV3Args = self.args
         prefix = f"model.layers.{i}."
         if rest in _LAYER_RENAMES:
             return Same(prefix + _LAYER_RENAMES[rest])
@@ -149,9 +177,16 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
         if super().is_ignored_hf_key(key) or (self.tied and key == "lm_head.weight"):
             return True
         i = layer_index(key)
-        if i is not None and self.n_mtp and i >= self.args.n_layers:
-            return True  # multi-token-prediction modules: not part of this model
+        if i is not None and i >= self.args.n_layers:
+            if i >= self.args.n_layers + self.args.mtp_depth:
+                return True  # MTP layers beyond model.mtp_depth: not part of this model
+            # The copies of the shared embedding / head in an MTP layer (we use the main ones).
+            return key.endswith((".embed_tokens.weight", ".shared_head.head.weight"))
         return self.args.n_shared_experts == 0 and ".mlp.shared_experts." in key
+
+    @classmethod
+    def hf_mtp_layers(cls, cfg: dict[str, Any]) -> int:
+        return int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0)
 
     # ---- config ----
     @classmethod
@@ -159,10 +194,7 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
         where = "deepseek_v3 config.json"
         require(cfg.get("model_type", "deepseek_v3") == "deepseek_v3",
                 f"{where}: model_type {cfg.get('model_type')!r} is not 'deepseek_v3'")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise HFConfigError(f"hf error: {where}: quantized checkpoints ({method}) are not supported; "
-                                "dequantize to bf16 first")
+        fp8_block_size(cfg, where)  # FP8 block-quantized weights are dequantized by the reader; others refused
         check_known_fields(cfg, _KNOWN_FIELDS, where)
         require(cfg.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {cfg.get('hidden_act')!r} != 'silu'")
         require(not cfg.get("attention_bias", False), f"{where}: attention_bias=true is not supported")
@@ -246,7 +278,7 @@ class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
             "hidden_act": "silu", "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
             "rope_theta": a.rope_theta, "rope_scaling": rope_scaling, "rope_interleave": True,
             "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-            "num_nextn_predict_layers": 0, "initializer_range": 0.02, "use_cache": True,
+            "num_nextn_predict_layers": a.mtp_depth, "initializer_range": 0.02, "use_cache": True,
             "torch_dtype": dtype_name(dtype),
         }
 
