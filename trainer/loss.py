@@ -98,8 +98,10 @@ class TokenLoss:
         loss = main / N_0 + mtp_weight / D * sum_k CE_k / N_k,
 
     N_k counting the positions depth k can predict (D = 0 is the plain next-token loss).
-    `totals()` returns the detached terms accumulated since `start_step`: [main mean,
-    depth-1 mean, ...], what the trainer reduces and logs (loss and mtp_loss).
+    Each returned loss carries its detached terms as `loss.token_terms` ([main, depth 1,
+    ..., depth D], each already divided by its count): summed over the step's losses (a
+    pipeline schedule hands back the same tensors) they are what the trainer logs, loss
+    and mtp_loss, and extra calls (a pipeline's shape inference) do not count.
 
     `ce(logits, labels)` is the summed cross entropy: `cross_entropy_sum`, or its
     loss-parallel version on vocab-sharded DTensor logits.
@@ -108,7 +110,6 @@ class TokenLoss:
     def __init__(self, mtp_depth: int = 0, mtp_weight: float = 0.0, ce=cross_entropy_sum):
         self.depth, self.weight, self.ce = mtp_depth, mtp_weight, ce
         self.counts: torch.Tensor | None = None
-        self._totals: torch.Tensor | None = None
 
     def start_step(self, batches, dp_group=None) -> torch.Tensor:
         """Counts valid tokens per term over `batches` (every microbatch of the step) and
@@ -124,13 +125,12 @@ class TokenLoss:
 
             dist.all_reduce(counts, group=dp_group)
         self.counts = counts
-        self._totals = torch.zeros(1 + self.depth, dtype=torch.float32, device=counts.device)
         return counts
 
     def scaled_main(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """A main-head summed loss computed elsewhere (chunked CE), normalised and recorded."""
+        """A main-head summed loss computed elsewhere (chunked CE), normalised."""
         loss = loss_sum / self.counts[0]
-        self._totals[0] += loss.detach()
+        loss.token_terms = loss.detach().reshape(1)
         return loss
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -143,11 +143,13 @@ class TokenLoss:
         targets = torch.cat([labels, mtp_targets(labels, self.depth)], dim=0)
         terms = torch.stack([self.ce(logits[k * b:(k + 1) * b], targets[k * b:(k + 1) * b]) / self.counts[k]
                              for k in range(1 + self.depth)])
-        self._totals += terms.detach()
-        return terms[0] + (self.weight / self.depth) * terms[1:].sum()
+        loss = terms[0] + (self.weight / self.depth) * terms[1:].sum()
+        loss.token_terms = terms.detach()
+        return loss
 
-    def totals(self) -> torch.Tensor:
-        return self._totals
+    def zero_terms(self, device) -> torch.Tensor:
+        """What a step's `token_terms` sum to before any loss (on ranks without the head)."""
+        return torch.zeros(1 + self.depth, dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------

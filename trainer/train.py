@@ -236,6 +236,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         dp_mesh = self.dims.mesh("dp_cp")
         self.token_loss.start_step(batches, dp_mesh.get_group() if dp_mesh is not None else None)
+        loss_sum = self.token_loss.zero_terms(self.device)  # [main, MTP depths...], see TokenLoss
         if self.pp_schedule is not None:
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
@@ -244,8 +245,9 @@ class Trainer:
                     self.pp_schedule.step(inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
                 else:
                     self.pp_schedule.step(target=targets, losses=losses, **self.forward_kwargs(labels))
+                for loss in losses:
+                    loss_sum += loss.token_terms
             # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
-            loss_sum = self.token_loss.totals()
             dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         else:
             model = self.model_parts[0]
@@ -256,7 +258,7 @@ class Trainer:
                     else:
                         loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
                 loss.backward()
-            loss_sum = self.token_loss.totals()
+                loss_sum += loss.token_terms
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
             pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
