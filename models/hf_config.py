@@ -231,6 +231,23 @@ class SameWithCopies(Same):
         return {k: t for k in [self.hf_keys[0], *self.copies]}
 
 
+class Absent(Recipe):
+    """A native tensor this HF format does not store (DeepSeek V2 has no routing bias): it
+    loads as zeros, and exports nothing (the adapter's `check_exportable` refuses a
+    non-zero one)."""
+
+    hf_keys: list[str] = []
+
+    def hf_shapes(self, native_shape):
+        return {}
+
+    def load(self, get, region):
+        return torch.zeros(region_shape(region))
+
+    def to_hf(self, t):
+        return {}
+
+
 class RowPermuted(Recipe):
     """native[i] = hf[perm[i]] along dim 0 (e.g. interleaved -> rotate-half RoPE rows)."""
 
@@ -320,6 +337,12 @@ class HFStateDictAdapter:
 
     def check_exportable(self, sd: dict[str, torch.Tensor]) -> str | None:
         """Why (some of) these native tensors cannot be written in this HF format, or None."""
+        return None
+
+    def export_problem(self, trained: bool = False) -> str | None:
+        """Why a model with these args could not be written in this HF format, or None;
+        `trained`: also what training it would break (checked at config time when
+        `checkpoint.last_save_in_hf` is set, before any step runs)."""
         return None
 
     def __init__(self, args: Any, hf_cfg: dict[str, Any] | None = None):

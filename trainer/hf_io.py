@@ -221,9 +221,10 @@ def _load_into(recipe, value: torch.Tensor, get) -> None:
 def check_hf_matches(spec, args, hf_cfg: dict[str, Any], folder: str | Path) -> None:
     """Raises one line when the folder's config.json describes another model than `args`."""
     adapter_cls = spec.state_dict_adapter
-    if hf_cfg.get("model_type") not in (None, adapter_cls.model_type):
+    if hf_cfg.get("model_type") not in (None, *adapter_cls.reads_model_types()):
         raise HFConfigError(f"hf error: {folder}/config.json is a {hf_cfg.get('model_type')!r} model, not "
-                            f"{adapter_cls.model_type!r} ({spec.name})")
+                            f"{adapter_cls.model_type!r} ({spec.name}); pass --model.hf_path {folder} alone to "
+                            "build the model it holds")
     hf_args = adapter_cls.args_from_hf(hf_cfg)
     diff = adapter_cls(args).mismatches(hf_args)
     if diff:
@@ -242,7 +243,7 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
     args = model_parts[0].args
     hf_cfg = read_hf_config(folder)
     check_hf_matches(spec, args, hf_cfg, folder)
-    adapter: HFStateDictAdapter = spec.state_dict_adapter(args, hf_cfg)
+    adapter: HFStateDictAdapter = spec.state_dict_adapter.for_args(args, hf_cfg)
     reader = HFReader(folder)
     try:
         adapter.check_hf_keys(reader.shapes(), str(folder))
@@ -272,7 +273,7 @@ def load_hf_state_dict(folder: str | Path) -> tuple[Any, Any, dict[str, torch.Te
     hf_cfg = read_hf_config(folder)
     spec = spec_for_hf_config(hf_cfg)
     args = spec.state_dict_adapter.args_from_hf(hf_cfg)
-    adapter = spec.state_dict_adapter(args, hf_cfg)
+    adapter = spec.state_dict_adapter.for_args(args, hf_cfg)
     reader = HFReader(folder)
     try:
         adapter.check_hf_keys(reader.shapes(), str(folder))
@@ -307,7 +308,7 @@ def _barrier() -> None:
 
 
 def _write_hf(items: Iterable[tuple[str, torch.Tensor]], adapter: HFStateDictAdapter, folder: Path,
-              dtype: torch.dtype, writer: bool, max_shard_bytes: int) -> None:
+              dtype: torch.dtype, writer: bool, max_shard_bytes: int, config: dict[str, Any]) -> None:
     """Converts (native key, whole tensor) items and writes them (on writer ranks) as
     safetensors shards; then rank 0 names the shards and writes index + config."""
     from safetensors.torch import save_file
@@ -358,7 +359,7 @@ def _write_hf(items: Iterable[tuple[str, torch.Tensor]], adapter: HFStateDictAda
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (folder / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2) + "\n")
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _barrier()
 
 
@@ -376,9 +377,16 @@ def save_hf(model_parts: list[torch.nn.Module], folder: str | Path, *, dtype: to
     """Exports model parts (any layout; call on every rank) as an HF folder."""
     folder = Path(folder)
     spec = spec_for_model(model_parts[0])
-    adapter = spec.state_dict_adapter(model_parts[0].args)
+    adapter = spec.state_dict_adapter.for_args(model_parts[0].args)
     rank, _ = _rank_world()
     keys = sorted(k for part in model_parts for k in get_model_state_dict(part))
+    # Every rank checks what it holds unsharded (e.g. routing biases) and all agree, so that
+    # a refusal stops every rank before any collective of the export.
+    local = {k: v for part in model_parts for k, v in get_model_state_dict(part).items() if not isinstance(v, DTensor)}
+    problems = [p for p in _all_gather_object(adapter.check_exportable(local)) if p]
+    if problems:
+        raise HFConfigError(problems[0])
+    config = adapter.hf_config(dtype)  # raises, on every rank alike, for a model this format cannot hold
     owners = _all_gather_object((rank, keys))
     writer = rank == min(r for r, ks in owners if ks == keys)
     _prepare_folder(folder)
@@ -388,19 +396,23 @@ def save_hf(model_parts: list[torch.nn.Module], folder: str | Path, *, dtype: to
             for k, v in get_model_state_dict(part).items():
                 yield k, (v.full_tensor() if isinstance(v, DTensor) else v)
 
-    _write_hf(items(), adapter, folder, dtype, writer, max_shard_bytes)
+    _write_hf(items(), adapter, folder, dtype, writer, max_shard_bytes, config)
 
 
 def save_hf_state_dict(sd: dict[str, torch.Tensor], spec, args, folder: str | Path, *,
                        dtype: torch.dtype = torch.float32, max_shard_bytes: int = 4 << 30) -> None:
     """Writes a native state dict of whole tensors as an HF folder (one process)."""
     folder = Path(folder)
-    adapter = spec.state_dict_adapter(args)
+    adapter = spec.state_dict_adapter.for_args(args)
     missing = sorted(set(adapter.native_shapes()) - set(sd))
     if missing:
         raise HFConfigError(f"hf error: the state dict lacks {len(missing)} key(s) of {spec.name}: {missing[:8]}")
+    problem = adapter.check_exportable(sd)
+    if problem:
+        raise HFConfigError(problem)
+    config = adapter.hf_config(dtype)
     _prepare_folder(folder)
-    _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes)
+    _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes, config)
 
 
 # --------------------------------------------------------------------------- DCP (scripts)

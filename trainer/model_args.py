@@ -137,6 +137,23 @@ def resolve_model(cfg) -> tuple[Any, Any]:
     return spec, args
 
 
+def check_hf_export(cfg) -> None:
+    """checkpoint.last_save_in_hf for a model the HF format could not hold after training:
+    refused before the first step (e.g. the 16B flavor's softmax routing exports as DeepSeek
+    V2, which has no routing bias for aux-loss-free balancing to train)."""
+    if not cfg.checkpoint.last_save_in_hf:
+        return
+    spec, args = resolve_model(cfg)
+    if spec.state_dict_adapter is None:
+        raise ConfigError(f"config error: checkpoint.last_save_in_hf: {spec.name} has no Hugging Face format; "
+                          "set it to false")
+    adapter = spec.state_dict_adapter.for_args(args)
+    problem = adapter.export_problem(trained=True)
+    if problem:
+        raise ConfigError(f"config error: checkpoint.last_save_in_hf: {model_label(cfg)} cannot be exported to "
+                          f"HF {adapter.model_type}: {problem}")
+
+
 def model_label(cfg) -> str:
     """`llama3 8B` or `deepseek_v3 from /data/DeepSeek-V3`, for logs and messages."""
     m = cfg.model
