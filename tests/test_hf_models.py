@@ -422,7 +422,12 @@ def test_config_current_and_legacy_rope_agree():
     ("deepseek", _ds_cfg(rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}),
      "cos/sin"),
     ("deepseek", _ds_cfg(quantization_config={"quant_method": "fp8"}), "dequantize"),
-    ("deepseek", _ds_cfg(model_type="deepseek_v2"), "model_type"),
+    ("deepseek", _ds_cfg(quantization_config={"quant_method": "gptq", "bits": 4}), "'gptq'"),
+    ("deepseek", _ds_cfg(quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
+     "e5m2"),
+    ("deepseek", _ds_cfg(model_type="deepseek_v2", scoring_func="sigmoid"), "scoring_func"),
+    ("deepseek", _ds_cfg(model_type="deepseek_v2", scoring_func="softmax", num_nextn_predict_layers=1), "multi-token"),
+    ("deepseek", _ds_cfg(model_type="qwen2_moe"), "model_type"),
 ])
 def test_config_unsupported_fields_one_line_error(adapter, cfg, needle):
     from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
@@ -436,14 +441,16 @@ def test_config_unsupported_fields_one_line_error(adapter, cfg, needle):
 
 
 @pytest.mark.parametrize("model,flavor", [("llama3", "debug"), ("llama3", "8B"), ("llama3", "70B"),
-                                          ("llama3", "405B"), ("deepseek_v3", "debug"), ("deepseek_v3", "671B")])
+                                          ("llama3", "405B"), ("deepseek_v3", "debug"), ("deepseek_v3", "671B"),
+                                          ("deepseek_v3", "16B")])
 def test_args_config_roundtrip_published_flavors(model, flavor):
-    """args -> HF config.json -> args gives back the published flavor itself."""
+    """args -> HF config.json -> args gives back the published flavor itself (16B: as deepseek_v2)."""
     from models import get_model_spec
 
     spec = get_model_spec(model)
     args = spec.flavors[flavor]
-    cfg = json.loads(json.dumps(spec.state_dict_adapter(args).hf_config()))
+    cfg = json.loads(json.dumps(spec.state_dict_adapter.for_args(args).hf_config()))
+    assert cfg["model_type"] == {"llama3": "llama", "deepseek_v3": "deepseek_v2" if flavor == "16B" else "deepseek_v3"}[model]
     assert spec.state_dict_adapter.args_from_hf(cfg) == args
 
 
@@ -479,6 +486,22 @@ def test_published_config_shapes():
 
     args = DS.args_from_hf(ds_v3)
     assert DS.signature(args) == DS.signature(DEEPSEEK_V3_FLAVORS["671B"]) and args.max_seq_len == 163840
+    # DeepSeek-V2-Lite (softmax routing) is the 16B flavor; config.json as published.
+    v2_lite = {"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+               "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+               "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+               "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+               "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+               "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+               "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+               "use_cache": True, "v_head_dim": 128, "vocab_size": 102400, "ep_size": 1}
+    args = DS.args_from_hf(v2_lite)
+    assert DS.signature(args) == DS.signature(DEEPSEEK_V3_FLAVORS["16B"]) and args.max_seq_len == 163840
 
 
 # --------------------------------------------------------------------------- errors
