@@ -138,9 +138,10 @@ class JobConfig:
         if self.training.dataset == "files" and not self.training.dataset_path:
             raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
                               "pass --training.dataset_path <file or folder>")
-        if self.model.hf_path and self.checkpoint.initial_load_path:
-            raise ConfigError("config error: checkpoint.initial_load_path: model.hf_path already gives the initial "
-                              "weights; drop one of the two")
+        if self.model.hf_path and self.checkpoint.initial_load_path and not self.checkpoint.enable:
+            raise ConfigError("config error: checkpoint.initial_load_path: read only with checkpoint.enable = true "
+                              "(model.hf_path alone loads the folder's weights); set --checkpoint.enable true or "
+                              "drop it")
         max_seq = getattr(args, "max_seq_len", None)
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "

@@ -267,12 +267,16 @@ def load_hf_weights(model_parts: list[torch.nn.Module], folder: str | Path) -> N
         raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
 
 
-def load_hf_state_dict(folder: str | Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-    """(spec, args, native state dict of whole tensors) of an HF folder (one process)."""
+def load_hf_state_dict(folder: str | Path, mtp_depth: int = 0) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(spec, args, native state dict of whole tensors) of an HF folder (one process), with
+    its first `mtp_depth` multi-token-prediction layers."""
     folder = Path(folder)
     hf_cfg = read_hf_config(folder)
     spec = spec_for_hf_config(hf_cfg)
-    args = spec.state_dict_adapter.args_from_hf(hf_cfg)
+    args = _with_mtp(spec.state_dict_adapter.args_from_hf(hf_cfg), mtp_depth)
+    stored = spec.state_dict_adapter.hf_mtp_layers(hf_cfg)
+    if mtp_depth > stored:
+        raise HFConfigError(f"hf error: {folder} holds {stored} multi-token-prediction layer(s), not {mtp_depth}")
     adapter = spec.state_dict_adapter.for_args(args, hf_cfg)
     reader = HFReader(folder)
     try:
@@ -447,25 +451,65 @@ def load_dcp_model_state_dict(path: str | Path, dtype: torch.dtype | None = None
     return sd
 
 
+def mtp_depth_of(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Multi-token-prediction modules (`mtp.{k}.*` keys) in a native state dict."""
+    return len({k.split(".")[1] for k in shapes if k.startswith("mtp.")})
+
+
+def _with_mtp(args, depth: int):
+    import dataclasses
+
+    if depth and "mtp_depth" in {f.name for f in dataclasses.fields(args)}:
+        return dataclasses.replace(args, mtp_depth=depth)
+    return args
+
+
 def infer_model_from_shapes(shapes: dict[str, tuple[int, ...]], model: str | None = None,
-                            flavor: str | None = None):
-    """(spec, flavor name) whose model has exactly these weight shapes; with `model` /
-    `flavor` given, checks them instead. Raises one line when none or several fit."""
+                            flavor: str | None = None, hf_path: str | Path | None = None):
+    """(spec, flavor name or None, args) whose model has exactly these weight shapes (MTP
+    modules included); with `model` / `flavor` given, checks them instead; with `hf_path`,
+    the args come from that folder's config.json (a run started from it has no flavor).
+    Raises one line when none or several fit."""
     from models import MODEL_SPECS, get_model_spec
 
+    depth = mtp_depth_of(shapes)
+    if hf_path is not None:
+        spec, args = args_from_hf_folder(hf_path)
+        args = _with_mtp(args, depth)
+        if spec.state_dict_adapter.for_args(args).native_shapes() != shapes:
+            raise HFConfigError(f"hf error: the checkpoint's weight shapes are not those of the {spec.name} model in "
+                                f"{hf_path}/config.json; pass the HF folder the run started from")
+        return spec, None, args
     specs = [get_model_spec(model)] if model else [s for s in MODEL_SPECS.values() if s.state_dict_adapter]
     fits = []
     for spec in specs:
         for name, args in spec.flavors.items():
             if flavor and name != flavor:
                 continue
-            if spec.state_dict_adapter(args).native_shapes() == shapes:
-                fits.append((spec, name))
+            args = _with_mtp(args, depth)
+            if spec.state_dict_adapter.for_args(args).native_shapes() == shapes:
+                fits.append((spec, name, args))
     if len(fits) == 1:
         return fits[0]
     if not fits:
         wanted = f"{model or '?'} / {flavor or '?'}"
         raise HFConfigError(f"hf error: no model flavor ({wanted}) has the checkpoint's {len(shapes)} weight "
-                            "shapes; pass --model and --flavor of the run that wrote it")
+                            "shapes; pass --model and --flavor of the run that wrote it, or --model.hf_path of the HF "
+                            "folder it started from")
     raise HFConfigError(f"hf error: several flavors fit the checkpoint's shapes "
-                        f"({[f'{s.name}/{n}' for s, n in fits]}); pass --model and --flavor")
+                        f"({[f'{s.name}/{n}' for s, n, _ in fits]}); pass --model and --flavor")
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                      "tokenizer.model")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copies an HF folder's tokenizer files (and generation_config.json) into an export,
+    so that the export is a complete model folder; returns the names copied."""
+    copied = []
+    for name in HF_TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

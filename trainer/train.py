@@ -148,7 +148,8 @@ class Trainer:
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
         resuming = cfg.checkpoint.enable and self.checkpointer.resume_path() is not None
         self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
-        if cfg.model.hf_path and not resuming:  # model.hf_path: its weights, unless a checkpoint resumes
+        if cfg.model.hf_path and not resuming and not cfg.checkpoint.initial_load_path:
+            # model.hf_path: the folder's weights, unless a checkpoint resumes (or initial_load_path gives others).
             load_hf_weights(self.model_parts, cfg.model.hf_path)
         # Global rank 0 logs (what run_train.sh shows by default): train_step all-reduces the
         # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm

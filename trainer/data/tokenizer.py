@@ -303,18 +303,19 @@ def resolve_tokenizer_file(path: str) -> str | None:
     return None
 
 
-_FIX = ("point model.tokenizer_path at an HF tokenizer.json, a tiktoken BPE file (base64 token + rank per line, "
+_FIX = ("point it at an HF tokenizer.json, a tiktoken BPE file (base64 token + rank per line, "
         "e.g. Llama 3's original/tokenizer.model), or a folder holding one")
 
 
-def build_tokenizer(path: str):
+def build_tokenizer(path: str, *, field: str = "model.tokenizer_path"):
     """Loads a tokenizer file or a model folder's tokenizer (see the module docstring);
-    a missing or malformed one raises ConfigError in one line."""
+    a missing or malformed one raises ConfigError in one line naming `field` (the option
+    that gave the path)."""
     file = resolve_tokenizer_file(path) if path else None
     if file is None:
         what = "no tokenizer file or folder" if not (path and os.path.isdir(path)) else \
             "no tokenizer.json, original/tokenizer.model or tokenizer.model in the folder"
-        raise ConfigError(f"config error: model.tokenizer_path: {what} at {path!r}; build the debug one with "
+        raise ConfigError(f"config error: {field}: {what} at {path!r}; build the debug one with "
                           "`python scripts/train_tokenizer.py`, use an HF model folder, or fetch Llama 3's with "
                           "`python scripts/download_tokenizer.py --repo_id <hf repo> --hf_token <token>`")
     folder = _folder_of(file)
@@ -326,17 +327,17 @@ def build_tokenizer(path: str):
             probe = RustTokenizer.from_file(file)
             return HFTokenizer(file, folder_special_ids(folder, probe.token_to_id), _hash_files(hashed))
         except ImportError:
-            raise ConfigError(f"config error: model.tokenizer_path: {file} needs the `tokenizers` library; "
+            raise ConfigError(f"config error: {field}: {file} needs the `tokenizers` library; "
                               "pip install tokenizers") from None
         except Exception as e:  # noqa: BLE001 - the Rust library raises its own exception types
-            raise ConfigError(f"config error: model.tokenizer_path: {file} is not a valid tokenizer.json "
+            raise ConfigError(f"config error: {field}: {file} is not a valid tokenizer.json "
                               f"({' '.join(str(e).split())[:160]}); {_FIX}") from None
     with open(file, "rb") as f:
         data = f.read()
     try:
         ranks = parse_tiktoken_file(data, source=file)
     except ValueError as e:
-        raise ConfigError(f"config error: model.tokenizer_path: {e}; {_FIX} (a sentencepiece .model is not "
+        raise ConfigError(f"config error: {field}: {e}; {_FIX} (a sentencepiece .model is not "
                           "supported: use the folder's tokenizer.json)") from None
     name = os.path.splitext(os.path.basename(file))[0] or "tokenizer"
     tok = Tokenizer(ranks, name=name, path=os.path.abspath(file), file_hash=hashlib.sha256(data).hexdigest())
