@@ -213,6 +213,55 @@ def add_hf_mtp_layers(folder: Path, depth: int = 1, seed: int = 5) -> Path:
     return folder
 
 
+def _is_fp8_weight(key: str, t: torch.Tensor) -> bool:
+    """The tensors DeepSeek V3's published checkpoint stores in FP8: every linear weight but
+    the embedding, the head and the router."""
+    return t.ndim == 2 and not key.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
+                                             "shared_head.head.weight"))
+
+
+def reference_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block dequantization written independently of the loader: each scale repeated over
+    its block, the repeats cut at the (partial) edges."""
+    rows, cols = q.shape
+    scale = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return q.to(torch.float32) * scale
+
+
+def quantize_hf_folder_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
+    """`src` quantized the way DeepSeek V3 ships (float8_e4m3fn weights, one fp32
+    `weight_scale_inv` per block, amax / 448), and its twin: the same folder with the
+    reference dequantization of those weights in fp32. Returns (fp8 folder, twin)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src / "model.safetensors"))
+    fp8, twin = {}, {}
+    for k, v in sd.items():
+        if not _is_fp8_weight(k, v):
+            fp8[k] = twin[k] = v
+            continue
+        rows, cols = v.shape
+        nb = (-(-rows // block[0]), -(-cols // block[1]))
+        scale = torch.empty(nb, dtype=torch.float32)
+        q = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
+        for i in range(nb[0]):
+            for j in range(nb[1]):
+                r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+                scale[i, j] = v[r, c].abs().amax().clamp_min(1e-12) / 448.0
+                q[r, c] = (v[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+        fp8[k], fp8[k + "_scale_inv"] = q, scale
+        twin[k] = reference_dequantize(q, scale, block)
+    cfg = json.loads((src / "config.json").read_text())
+    for folder, tensors in ((dst / "fp8", fp8), (dst / "twin", twin)):
+        shutil.copytree(src, folder)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    (dst / "fp8" / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2))
+    return dst / "fp8", dst / "twin"
+
+
 CASES = {
     "llama_gqa_llama3rope": lambda d: build_hf_llama(d, gqa=True, rope_scaling=True),
     "llama_mha_tied_legacycfg": lambda d: build_hf_llama(d, gqa=False, rope_scaling=False, tied=True, legacy=True),
@@ -543,3 +592,42 @@ def test_config_mismatch_names_the_fields_and_flavor(tmp_path):
         load_hf_into_model([model], out)
     msg = str(e.value)
     assert "dim: 64 != 256" in msg and "--model.flavor debug_small" in msg and "\n" not in msg
+
+
+# --------------------------------------------------------------------------- FP8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", [(128, 128), (32, 24)])
+def test_fp8_block_quantized_import(block, hf_dirs, tmp_path):
+    """DeepSeek V3's FP8 layout (weight in float8_e4m3fn, weight_scale_inv per block, partial
+    edge blocks) is dequantized on import: exactly the reference dequantization (whole
+    tensors and any region), and the original weights within float8 rounding."""
+    from safetensors.torch import load_file
+
+    src = hf_dirs["deepseek_qlora_yarn"]
+    fp8, twin = quantize_hf_folder_fp8(src, tmp_path, block)
+    orig = load_file(str(src / "model.safetensors"))
+    quantized = [k for k, v in orig.items() if _is_fp8_weight(k, v)]
+    assert any(v.shape[0] % block[0] or v.shape[1] % block[1] for k, v in orig.items() if k in quantized)
+
+    reader, ref = HFReader(fp8), HFReader(twin)
+    g = torch.Generator().manual_seed(0)
+    for k in quantized:
+        got = reader.full(k)
+        assert got.dtype == torch.float32 and torch.equal(got, ref.full(k)), k
+        # float8 e4m3: 3 mantissa bits (relative error <= 2^-4), subnormals down to 2^-9 of the scale.
+        scale = load_file(str(fp8 / "model.safetensors"))[k + "_scale_inv"]
+        scale = scale.repeat_interleave(block[0], 0)[:got.shape[0]].repeat_interleave(block[1], 1)[:, :got.shape[1]]
+        assert ((got - orig[k]).abs() <= orig[k].abs() * 2**-4 + scale * 2**-9).all(), k
+        r0, c0 = (int(torch.randint(0, n, (1,), generator=g)) for n in got.shape)
+        r1, c1 = (int(torch.randint(a + 1, n + 1, (1,), generator=g)) for a, n in zip((r0, c0), got.shape))
+        assert torch.equal(reader.get(k, (slice(r0, r1), slice(c0, c1))), got[r0:r1, c0:c1]), k
+
+    # The whole import (trainer path) gives the twin's model, bitwise.
+    _, _, sd_fp8 = load_hf_state_dict(fp8)
+    _, _, sd_twin = load_hf_state_dict(twin)
+    assert sd_fp8.keys() == sd_twin.keys() and all(torch.equal(sd_fp8[k], sd_twin[k]) for k in sd_fp8)
+    tokens = tokens_for(256)
+    with torch.no_grad():
+        assert torch.equal(our_model_from_hf(fp8)(tokens), our_model_from_hf(twin)(tokens))

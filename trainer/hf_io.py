@@ -66,14 +66,6 @@ def args_from_hf_folder(folder: str | Path):
     return MODEL_SPECS[name], args
 
 
-def register_hf_flavor(folder: str | Path, flavor: str = "hf") -> tuple[str, str]:
-    """Adds the model args of an HF folder's config.json as `flavor` of its spec (in this
-    process) and returns (model name, flavor) for `--model.name/--model.flavor`."""
-    spec, args = args_from_hf_folder(folder)
-    spec.flavors[flavor] = args
-    return spec.name, flavor
-
-
 # --------------------------------------------------------------------------- reading
 
 

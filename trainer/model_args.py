@@ -72,7 +72,7 @@ def _from_hf(m) -> tuple[Any, Any]:
             hint = f"use --model.flavor {fits[0]}" if fits else "drop model.flavor (model.hf_path gives the shape)"
             raise ConfigError(f"config error: model.flavor: {m.flavor} does not match {folder}/config.json "
                               f"(config.json vs flavor: {'; '.join(diff)}); {hint}")
-    if m.mtp_depth > 0:
+    if m.mtp_depth > 0 and hasattr(args, "mtp_depth"):  # (a model without MTP is refused in _apply_overrides)
         stored = spec.state_dict_adapter.hf_mtp_layers(hf_cfg)
         if m.mtp_depth > stored:
             raise ConfigError(f"config error: model.mtp_depth: {folder} holds {stored} multi-token-prediction "
@@ -169,6 +169,18 @@ def tokenizer_path(cfg, default: str) -> str:
     """model.tokenizer_path, else the HF folder's own tokenizer, else `default`."""
     m = cfg.model
     return m.tokenizer_path or m.hf_path or default
+
+
+def check_tokenizer_path(cfg, default: str) -> None:
+    """A tokenizer file is there (parsing waits for the trainer), or one line before any
+    process starts."""
+    from trainer.data.tokenizer import resolve_tokenizer_file
+
+    path = tokenizer_path(cfg, default)
+    if resolve_tokenizer_file(path) is None:
+        field = "model.tokenizer_path" if cfg.model.tokenizer_path or not cfg.model.hf_path else "model.hf_path"
+        raise ConfigError(f"config error: {field}: no tokenizer.json, original/tokenizer.model or tokenizer.model "
+                          f"at {path}; pass --model.tokenizer_path <tokenizer file or folder>")
 
 
 def check_tokenizer_fits(tokenizer, args, label: str) -> None:
