@@ -127,7 +127,7 @@ def test_run_train_from_hf_folder(layout, hf_folders, tmp_path):
         assert "mtp_loss" in json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path):
+def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path, capsys):
     """Checked when the config loads (run_train.sh does it before any process starts): one
     line naming the field and what to pass. One case goes through run_train.sh: exit 2, no
     traceback."""
@@ -143,7 +143,6 @@ def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path):
         (["--model.hf_path", llama, "--model.mtp_depth", "1"], ["model.mtp_depth", "llama3 has no multi-token"]),
         (["--model.hf_path", deepseek, "--model.mtp_depth", "2"], ["model.mtp_depth", "--model.mtp_depth 1"]),
         (["--model.hf_path", llama, "--moe.bias_update_rate", "0"], ["moe.bias_update_rate", "no mixture"]),
-        (["--model.hf_path", llama, "--model.tokenizer_path", str(tmp_path)], ["model.tokenizer_path"]),
         (["--model.hf_path", deepseek, "--checkpoint.initial_load_path", str(tmp_path)],
          ["checkpoint.initial_load_path", "checkpoint.enable"]),
     ]
@@ -152,6 +151,19 @@ def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path):
             load_config(["--config", "llama_debug.toml", *args])
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith("config error:") and all(n in msg for n in needles), (args, msg)
+    # A tokenizer that is not there: the trainer's one line (in-process, 1 rank).
+    from trainer.train import main as trainer_main
+
+    import logging
+
+    handlers = logging.getLogger().handlers[:]
+    try:
+        assert trainer_main(["--model.hf_path", llama, "--model.tokenizer_path", str(tmp_path),
+                             "--job.dump_folder", str(tmp_path / "t")]) == 2
+    finally:
+        logging.getLogger().handlers[:] = handlers  # main() points logging at the captured stdout
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.tokenizer_path" in err[0] and str(tmp_path) in err[0], err
     proc = run_train(1, [*cases[1][0], "--job.dump_folder", str(tmp_path / "d")], timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -24,7 +24,7 @@ from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, opt, set_field
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
-from trainer.model_args import MoEConfig, check_hf_export, check_tokenizer_path, resolve_model
+from trainer.model_args import MoEConfig, check_hf_export, resolve_model
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
 from trainer.profiling import ProfilingConfig
 
@@ -135,7 +135,6 @@ class JobConfig:
         """Cross-field checks; each section may define `validate(root)`."""
         _, args = resolve_model(self)  # the model is decided here, once (trainer/model_args.py)
         check_hf_export(self)
-        check_tokenizer_path(self, DEFAULT_TOKENIZER)
         if self.training.dataset == "files" and not self.training.dataset_path:
             raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
                               "pass --training.dataset_path <file or folder>")

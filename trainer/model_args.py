@@ -171,18 +171,6 @@ def tokenizer_path(cfg, default: str) -> str:
     return m.tokenizer_path or m.hf_path or default
 
 
-def check_tokenizer_path(cfg, default: str) -> None:
-    """A tokenizer file is there (parsing waits for the trainer), or one line before any
-    process starts."""
-    from trainer.data.tokenizer import resolve_tokenizer_file
-
-    path = tokenizer_path(cfg, default)
-    if resolve_tokenizer_file(path) is None:
-        field = "model.tokenizer_path" if cfg.model.tokenizer_path or not cfg.model.hf_path else "model.hf_path"
-        raise ConfigError(f"config error: {field}: no tokenizer.json, original/tokenizer.model or tokenizer.model "
-                          f"at {path}; pass --model.tokenizer_path <tokenizer file or folder>")
-
-
 def check_tokenizer_fits(tokenizer, args, label: str) -> None:
     """A model vocab at least the tokenizer's (real checkpoints pad their embeddings), or one line."""
     vocab = getattr(args, "vocab_size", None)

@@ -27,11 +27,24 @@ q_b_proj (the last `qk_rope_head_dim` rows of every head) and of kv_a_proj_with_
 HF's DeepSeek RoPE maps an interleaved pair (2i, 2i+1) to output channels (i, i+d/2),
 so after the permutation both models compute the same q.k products.
 
-Not representable (one-line error): softmax routing, rope types other than
-default/yarn, YaRN settings that scale cos/sin (mscale != mscale_all_dim), FP8
-checkpoints (quantization_config). MTP layers (`num_nextn_predict_layers`) are
-skipped on import. Note: HF hard-codes eps=1e-6 for q_a_layernorm / kv_a_layernorm
-while our q_norm / kv_norm use norm_eps; they agree for every published config.
+Multi-token prediction: MTP module k (`mtp.{k}.*`, with `--model.mtp_depth`) is HF
+layer `model.layers.{n_layers + k}`: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`
+(our `mtp.{k}.norm`) and a block with a layer's names. The hub layout also stores the
+shared embedding and head there (`embed_tokens`, `shared_head.head`): they are
+written on export as copies of the main ones and not read on import. MTP layers
+beyond mtp_depth are ignored.
+
+FP8 block-quantized weights (`quantization_config` with quant_method fp8, DeepSeek
+V3 on the Hub) are dequantized by the reader (trainer/hf_io.py); exports are written
+in the export dtype, unquantized.
+
+Softmax routing is DeepSeek V2's model_type (`DeepSeekV2StateDictAdapter`, below),
+which our softmax models (the 16B flavor) import from and export to.
+
+Not representable (one-line error): rope types other than default/yarn, YaRN
+settings that scale cos/sin (mscale != mscale_all_dim), other quantizations. Note:
+HF hard-codes eps=1e-6 for q_a_layernorm / kv_a_layernorm while our q_norm / kv_norm
+use norm_eps; they agree for every published config.
 """
 
 from __future__ import annotations
