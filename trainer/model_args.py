@@ -60,9 +60,10 @@ def _from_hf(m) -> tuple[Any, Any]:
         raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
     spec = MODEL_SPECS[name]
     if m.name is not None and m.name != name:
-        raise ConfigError(f"config error: model.name: {folder}/config.json holds a {hf_cfg.get('model_type')!r} "
-                          f"model, which is {name!r} here, not {m.name!r}; pass --model.name {name} or drop "
-                          "model.name (model.hf_path sets it)")
+        model_type = hf_cfg.get("model_type")
+        ours = "" if model_type == name else f" (our {name})"
+        raise ConfigError(f"config error: model.name: {folder}/config.json holds a {model_type!r} model{ours}, not "
+                          f"{m.name!r}; pass --model.name {name} or drop model.name (model.hf_path sets it)")
     if m.flavor is not None:
         if m.flavor not in spec.flavors:
             raise _unknown("model.flavor", m.flavor, list(spec.flavors), f" for {name}")
