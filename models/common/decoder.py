@@ -64,12 +64,14 @@ class DecoderLM(nn.Module):
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline
-        stage without the embedding. Returns logits, or hidden states on a stage without
-        the output head."""
+        stage without the embedding. `positions` ([seq] or [batch, seq] token positions)
+        places RoPE where the tokens are not 0..seq-1: a context-parallel shard, or
+        packed documents that restart at 0. Returns logits, or hidden states on a stage
+        without the output head."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
+        rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
         for block in self.layers.values():
             h = block(h, rope)
         h = self.norm(h) if self.norm is not None else h

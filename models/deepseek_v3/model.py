@@ -20,8 +20,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from models.common.attention import SDPA
 from models.common.decoder import DecoderLM, FeedForward
 from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
@@ -88,6 +88,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.sdpa = SDPA(scale=self.softmax_scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -103,17 +104,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        # SDPA accepts a v head dim different from the q/k head dim, but on CPU only the math
-        # backend does (an [S, S] score matrix, ~2.5x slower): there, zero-pad v to the q/k
-        # head dim so that the fused flash kernel runs, and drop the padded output channels.
-        # CUDA picks cuDNN / memory-efficient attention, which take the unequal dims as they are.
-        pad = self.qk_head_dim - self.v_head_dim if x.device.type == "cpu" else 0
-        if pad > 0:
-            v = F.pad(v, (0, pad))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=self.softmax_scale)
-        if pad > 0:
-            out = out[..., : self.v_head_dim]
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
