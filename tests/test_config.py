@@ -103,7 +103,7 @@ def test_cli_error_exits_2_with_one_line_and_no_traceback():
 
 
 def test_impossible_layouts_are_rejected():
-    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallel_dims import ParallelDims, check_model_layout
     from models.llama3 import LLAMA3_FLAVORS
 
     with pytest.raises(ConfigError, match=r"= 6, but the world size is 4"):
@@ -112,13 +112,13 @@ def test_impossible_layouts_are_rejected():
         ParallelDims(tp=3, world_size=4)
     dims = ParallelDims(tp=3, dp_shard=1, world_size=3)
     with pytest.raises(ConfigError, match="does not divide the model's 16 heads"):
-        dims.validate_model(LLAMA3_FLAVORS["debug"], 256, True)
+        check_model_layout(LLAMA3_FLAVORS["debug"], tp=dims.tp, pp=dims.pp, seq_len=256, sequence_parallel=True)
     dims = ParallelDims(tp=2, dp_shard=1, world_size=2)
     with pytest.raises(ConfigError, match="seq_len: 255 is not divisible"):
-        dims.validate_model(LLAMA3_FLAVORS["debug"], 255, True)
+        check_model_layout(LLAMA3_FLAVORS["debug"], tp=dims.tp, pp=dims.pp, seq_len=255, sequence_parallel=True)
     dims = ParallelDims(pp=4, dp_shard=1, world_size=4)
     with pytest.raises(ConfigError, match="4 stages exceed the model's 3 layers"):
-        dims.validate_model(LLAMA3_FLAVORS["debug_small"], 64, False)
+        check_model_layout(LLAMA3_FLAVORS["debug_small"], tp=dims.tp, pp=dims.pp, seq_len=64, sequence_parallel=False)
 
 
 @pytest.mark.parametrize("env, argv, line", [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from parallelisms.activation_checkpoint import ActivationCheckpointConfig
 from parallelisms.compile import CompileConfig
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
-from trainer.configurable import ConfigError, field_docs, opt, set_field
+from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
@@ -84,23 +83,6 @@ class CommSection:
     train_timeout_seconds: int = opt(120, "Timeout for collectives after the first step.", min=1)
 
 
-SECTIONS: dict[str, type] = {
-    "job": JobSection,
-    "model": ModelSection,
-    "training": TrainingSection,
-    "optimizer": OptimizerConfig,
-    "lr_scheduler": LRSchedulerConfig,
-    "loss": LossConfig,
-    "checkpoint": CheckpointConfig,
-    "metrics": MetricsConfig,
-    "profiling": ProfilingConfig,
-    "compile": CompileConfig,
-    "activation_checkpoint": ActivationCheckpointConfig,
-    "parallelism": ParallelismConfig,
-    "comm": CommSection,
-}
-
-
 @dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
@@ -117,35 +99,39 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     comm: CommSection = field(default_factory=CommSection)
 
+    # Resolved by validate(): the one lookup of the model (see trainer/model_args.py).
+    model_spec: Any = field(default=None, init=False, repr=False, compare=False, metadata={"section": False})
+    model_args: Any = field(default=None, init=False, repr=False, compare=False, metadata={"section": False})
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
-    def validate(self) -> None:
-        """Cross-field checks; each section may define `validate(root)`."""
-        from models import MODEL_SPECS
+    def validate(self, world_size: int | None = None) -> None:
+        """Cross-field checks, once: resolve the model, then each section's `validate(root)`,
+        then, when the world size is known, the layout against it (`ParallelDims`)."""
+        from trainer.model_args import resolve_model
 
-        if self.model.name not in MODEL_SPECS:
-            raise ConfigError(_unknown("model.name", self.model.name, list(MODEL_SPECS)))
-        flavors = MODEL_SPECS[self.model.name].flavors
-        if self.model.flavor not in flavors:
-            raise ConfigError(_unknown("model.flavor", self.model.flavor, list(flavors), f" for {self.model.name}"))
-        if self.training.dataset == "files" and not self.training.dataset_path:
-            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
-                              "pass --training.dataset_path <file or folder>")
-        max_seq = getattr(flavors[self.model.flavor], "max_seq_len", None)
+        self.model_spec, self.model_args = resolve_model(self)
+        max_seq = getattr(self.model_args, "max_seq_len", None)
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
                               f"max_seq_len {max_seq}; lower training.seq_len")
+        if self.training.dataset == "files" and not self.training.dataset_path:
+            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
+                              "pass --training.dataset_path <file or folder>")
         for name in SECTIONS:
             section = getattr(self, name)
             if hasattr(section, "validate"):
                 section.validate(self)
+        if world_size is not None:
+            from parallelisms.parallel_dims import ParallelDims
+
+            ParallelDims.from_config(self.parallelism, world_size)
 
 
-def _unknown(key: str, value: str, valid: list[str], where: str = "") -> str:
-    close = difflib.get_close_matches(value, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}"
+# The config sections, in --help order: JobConfig's fields (listed once, above).
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)
+                             if f.metadata.get("section", True)}
 
 
 def resolve_config_path(name: str) -> Path:
@@ -212,8 +198,9 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     return out
 
 
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Builds the root config from defaults, the TOML file and the CLI, then validates it."""
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """Builds the root config from defaults, the TOML file and the CLI, then validates it
+    (the layout against `world_size` too, when given)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = _parse_cli(argv)
     cfg = JobConfig()
@@ -231,7 +218,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         if (section, key) == ("job", "config_file"):
             continue
         set_field(getattr(cfg, section), section, key, value, from_cli=True)
-    cfg.validate()
+    cfg.validate(world_size)
     return cfg
 
 
@@ -256,7 +243,7 @@ def format_config(cfg: JobConfig) -> str:
     return "\n".join(out)
 
 
-def main_guard(argv: list[str] | None = None) -> JobConfig:
+def main_guard(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
     """For entry points: --help prints the field docs; a ConfigError prints one line and exits 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -266,8 +253,8 @@ def main_guard(argv: list[str] | None = None) -> JobConfig:
             pass
         sys.exit(0)
     try:
-        return load_config(argv)
+        return load_config(argv, world_size)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if global_rank() == 0:
             print(str(e), file=sys.stderr)
         sys.exit(2)

@@ -20,7 +20,7 @@ Under FSDP the output weight is only gathered while the norm+output unit runs, s
 the chunked loss is computed *inside* that module: `install_chunked_ce_head`
 swaps the model's `output` Linear for a `LinearCrossEntropyHead` holding the same
 Parameter (so the state-dict key stays `output.weight`), and
-`chunked_ce_loss_sum(model, inputs, labels)` hands it the labels for one forward.
+`chunked_ce_labels(model, labels)` hands it the labels for one forward.
 """
 
 from __future__ import annotations
@@ -67,6 +67,37 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Sum of token losses, in fp32, ignoring IGNORE_INDEX labels."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+class TokenNormalizedLoss:
+    """The one training loss: the summed token cross entropy of a microbatch divided by the
+    number of valid tokens in the whole global batch.
+
+    Called as `loss_fn(output, labels)` by the trainer and by pipeline schedules alike.
+    `output` is the model's logits, or, with chunked CE, the summed loss its head already
+    computed. The divisor belongs to one step and is set only for its duration,
+    `with loss_fn.normalized_by(global_tokens): ...`, so it can never leak into another step.
+    """
+
+    def __init__(self, chunked_ce: bool = False):
+        self.chunked_ce = chunked_ce
+        self._divisor: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def normalized_by(self, global_tokens: torch.Tensor):
+        self._divisor = global_tokens
+        try:
+            yield self
+        finally:
+            self._divisor = None
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._divisor is None:
+            raise RuntimeError("TokenNormalizedLoss called outside normalized_by(global_tokens)")
+        loss_sum = output if self.chunked_ce else cross_entropy_sum(output, labels)
+        if hasattr(loss_sum, "to_local"):  # loss parallel: a replicated DTensor scalar
+            loss_sum = loss_sum.to_local()
+        return loss_sum / self._divisor
 
 
 # ---------------------------------------------------------------------------
@@ -266,14 +297,22 @@ def install_chunked_ce_head(model: nn.Module, cfg: LossConfig) -> bool:
     return True
 
 
+def chunked_ce_labels(model: nn.Module, labels: torch.Tensor):
+    """Context in which `model`'s `LinearCrossEntropyHead` (if installed) computes the summed
+    token loss against `labels` and returns it instead of logits; else a no-op."""
+    head = getattr(model, "output", None)
+    if isinstance(head, LinearCrossEntropyHead):
+        return head.expect_labels(labels)
+    return contextlib.nullcontext()
+
+
 def chunked_ce_loss_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Runs `model(inputs)` with its `LinearCrossEntropyHead` computing the summed token
     loss against `labels` (fp32 scalar); the caller divides by the global token count."""
-    head = getattr(model, "output", None)
-    if not isinstance(head, LinearCrossEntropyHead):
+    if not isinstance(getattr(model, "output", None), LinearCrossEntropyHead):
         raise RuntimeError("chunked_ce_loss_sum: model.output is not a LinearCrossEntropyHead; "
                            "call install_chunked_ce_head before parallelizing the model")
-    with head.expect_labels(labels):
+    with chunked_ce_labels(model, labels):
         out = model(inputs)
     if out.dim() != 0:
         raise RuntimeError(f"chunked_ce_loss_sum: the model returned shape {tuple(out.shape)}, not the loss; "

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 
 
@@ -30,9 +31,9 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+        trunc_normal_(self.w1.weight, mean=0.0, std=std)
+        trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
+        trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
 class DecoderLM(nn.Module):
@@ -62,7 +63,7 @@ class DecoderLM(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None:
             final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+            trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline

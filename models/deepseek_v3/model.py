@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from models.common.attention import SDPA
 from models.common.decoder import DecoderLM, FeedForward
+from models.common.init import trunc_normal_
 from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
@@ -110,8 +111,8 @@ class MLA(nn.Module):
     def init_weights(self, out_std: float) -> None:
         lins = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
         for lin in lins + [self.wkv_a, self.wkv_b]:
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
         if self.q_lora_rank:
             self.q_norm.reset_parameters()
         self.kv_norm.reset_parameters()

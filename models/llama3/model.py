@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from models.common.attention import SDPA
 from models.common.decoder import DecoderLM, FeedForward
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, llama3_inv_freq, rope_cos_sin
 from models.llama3.args import Llama3Args
@@ -40,8 +41,8 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
 
 
 class TransformerBlock(nn.Module):
