@@ -189,9 +189,8 @@ class Trainer:
                     loss_sum += torch.stack(losses).sum().detach()
             else:
                 model = self.model_parts[0]
-                with chunked_ce_labels(model, labels):
-                    output = model(inputs)
-                loss = self.loss_fn(output, labels)
+                with chunked_ce_labels(model, labels):  # no reference to the logits outlives the loss
+                    loss = self.loss_fn(model(inputs), labels)
                 loss.backward()
                 loss_sum += loss.detach()
         return loss_sum
