@@ -145,7 +145,6 @@ class Trainer:
                         f"pp {self.dims.pp}, ep {self.dims.ep}); {self.device.type}/{self.backend or 'single'}, "
                         f"param dtype {self.precision.param}; global batch {self.global_batch_size} = local "
                         f"{t.local_batch_size} x dp {self.dp_degree} x accum {self.grad_accum_steps}; "
-                        f"AC {cfg.activation_checkpoint.mode}, compile {cfg.compile.enable}; "
                         f"starting at step {self.step}")
 
     # ---- one optimizer step ----
