@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from parallelisms.parallel_dims import V_SCHEDULES, check_pipeline_layout
+from trainer.configurable import global_rank
 
 logger = logging.getLogger("pipeline")
 
@@ -181,7 +182,7 @@ def split_for_rank(model: nn.Module, dims, cfg) -> list[tuple[int, nn.Module]]:
     check_split(model, fqns)
     v_style = name in V_SCHEDULES
     stage_ids = stage_ids_for_rank(dims.mesh("pp").get_local_rank(), pp, spr, v_style)
-    if dist_rank() == 0:
+    if global_rank() == 0:
         logger.info(f"pipeline: {name}, {num_stages} stages ({spr} per rank, {'V' if v_style else 'loop'} placement), "
                     f"{cfg.training.local_batch_size // pcfg.pipeline_parallel_microbatch_size} microbatches; "
                     + "; ".join(f"stage {s}: {_describe(f)}" for s, f in enumerate(fqns)))
@@ -230,9 +231,3 @@ def _describe(names: list[str]) -> str:
             out.append(n)
     flush()
     return " + ".join(out)
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
