@@ -1,42 +1,77 @@
-"""The one object a model package exports to the trainer.
+"""The one object a model package exports to the trainer, and the contract it promises.
 
-The trainer never imports a model module directly: it looks up a `ModelSpec` by
-name in `models.MODEL_SPECS` and uses only what the spec offers. Adding a model
-means adding a folder with a spec, not editing the trainer.
+The trainer never imports a model module directly: it looks a `ModelSpec` up by name
+(`models.get_model_spec`) and uses only what the spec offers. Adding a model means
+adding a folder with a spec (see docs/extending.md), not editing the trainer.
+
+Contract, written as Protocols so that it is checkable and documented in one place:
+- `ModelArgs`: the attributes of the args dataclass that the trainer, the parallelism
+  checks and the estimator read (the rest is the model's own business);
+- `DecoderModel`: the module layout every plan relies on. Blocks live in a
+  `ModuleDict` `layers` keyed "0".."L-1" (PP deletes the ones a stage does not own,
+  names stay stable for DCP; AC wraps each one); `tok_embeddings`, `norm`, `output`
+  may be None on a pipeline stage; `forward(tokens, positions=None)`;
+  `init_weights(buffer_device)` initialises every parameter and buffer of the
+  (possibly split) model and draws randomness only into the parameters themselves
+  (see parallelisms/param_init.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
+import torch
 import torch.nn as nn
+
+
+@runtime_checkable
+class ModelArgs(Protocol):
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    max_seq_len: int
+    # Optional: n_kv_heads (GQA; TP must divide it too); MoE models: n_routed_experts.
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    args: Any
+    tok_embeddings: nn.Module | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    output: nn.Module | None
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None: ...
+
+
+# The builders and hooks a spec may provide.
+ModelBuilder = Callable[[Any], nn.Module]                         # args -> model (called on the meta device)
+TensorParallelPlan = Callable[[nn.Module, Any, Any], None]         # (part, tp_mesh, parallelism_cfg), in place
+ExpertParallelPlan = Callable[[nn.Module, Any, Any], None]         # (part, ParallelDims, parallelism_cfg)
+PostOptimizerStepHook = Callable[..., dict[str, float]]            # (part, ParallelDims, *, with_metrics) -> metrics
+SummaryFn = Callable[[nn.Module, Any, int], dict[str, float]]      # (meta model, args, seq_len) -> params, FLOPs
+StateDictAdapterClass = Any                                        # HF <-> native names (models/hf_config.py)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    # Flavor name -> model args dataclass instance (e.g. "debug", "8B").
+    # Flavor name -> model args (e.g. "debug", "8B").
     flavors: dict[str, Any]
-    # Builds the model from args; called under a meta-device context by the trainer.
-    model_cls: Callable[[Any], nn.Module]
-    # (model, tp_mesh, parallelism_config) -> None. Applies the TP/SP plan by module name.
-    tensor_parallel_fn: Callable[..., None] | None = None
-    # (model, ep_mesh, ...) -> None. Shards routed experts; only MoE models set it.
-    expert_parallel_fn: Callable[..., None] | None = None
+    model_cls: ModelBuilder
+    tensor_parallel_fn: TensorParallelPlan | None = None
+    expert_parallel_fn: ExpertParallelPlan | None = None  # MoE models only
     # Extra aten ops the op-level activation-checkpoint policy must always save.
     sac_save_ops: frozenset = field(default_factory=frozenset)
     # Module-name patterns whose matmuls are always recomputed (e.g. a MoE router gate).
     sac_force_recompute_fqns: tuple[str, ...] = ()
-    # HF <-> native state-dict name mapping (class with to_hf / from_hf), if any.
-    state_dict_adapter: Any = None
-    # Called after each optimizer step (e.g. MoE load-balance bias update), or None.
-    post_optimizer_step_fn: Callable[..., None] | None = None
-    # (model, args, seq_len) -> {"params": ..., "flops_per_token": ..., optional "activated_params"}.
-    # `model` may live on the meta device. Used by --dry-run, metrics (MFU) and the memory estimator.
-    summary_fn: Callable[..., dict[str, float]] | None = None
-
-    def args_for(self, flavor: str):
-        if flavor not in self.flavors:
-            raise KeyError(flavor)
-        return self.flavors[flavor]
+    state_dict_adapter: StateDictAdapterClass = None
+    # Called after each optimizer step (e.g. MoE load-balance bias update).
+    post_optimizer_step_fn: PostOptimizerStepHook | None = None
+    # `model` may live on the meta device. Used by --dry-run, metrics (MFU) and the estimator;
+    # returns {"params", "flops_per_token", optional "activated_params"}.
+    summary_fn: SummaryFn | None = None

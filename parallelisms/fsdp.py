@@ -3,7 +3,7 @@
 The loss is already divided by the global number of valid tokens, so gradients
 must be *summed* over data-parallel ranks, not averaged: we set the gradient
 divide factor to 1. On gloo that would reduce-scatter with PREMUL_SUM, which gloo
-lacks, so we force plain SUM there (see docs/cpu-distributed-notes in shared/).
+lacks, so we force plain SUM there (`set_force_sum_reduction_for_comms`).
 """
 
 from __future__ import annotations

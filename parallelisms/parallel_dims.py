@@ -32,26 +32,30 @@ class ParallelismConfig:
         None, "Override of the PP split: module names per stage, e.g. [[\"tok_embeddings\", \"layers.0\"], ...].")
 
     def validate(self, root) -> None:
-        """Layout checks that need no world size (they also run for --dry-run)."""
-        from trainer.configurable import ConfigError
+        """Layout checks that need no world size (they also run for --dry-run); the world-size
+        checks run when `ParallelDims` is built. `root.model_args` is resolved once, before."""
+        check_layout(self, root.model_args, seq_len=root.training.seq_len,
+                     local_batch_size=root.training.local_batch_size)
 
-        if self.context_parallel_degree != 1:
-            raise ConfigError(
-                f"config error: parallelism.context_parallel_degree: {self.context_parallel_degree} is not supported "
-                "yet (context parallelism is not implemented); set it to 1")
-        from trainer.model_args import resolve_model
 
-        _, args = resolve_model(root)
-        tp, pp = self.tensor_parallel_degree, self.pipeline_parallel_degree
-        check_model_layout(args, tp=tp, pp=pp, seq_len=root.training.seq_len,
-                           sequence_parallel=self.enable_sequence_parallel and tp > 1)
-        if pp > 1:
-            check_pipeline_layout(self, getattr(args, "n_layers", None), root.training.local_batch_size)
-        if self.expert_parallel_degree > 1:
-            from parallelisms.expert_parallel import check_expert_parallel_layout
+def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batch_size: int) -> None:
+    """Every check of the degrees against the model's shape and the batch (no world size)."""
+    from trainer.configurable import ConfigError
 
-            check_expert_parallel_layout(args, ep=self.expert_parallel_degree, tp=tp,
-                                         sequence_parallel=self.enable_sequence_parallel)
+    if cfg.context_parallel_degree != 1:
+        raise ConfigError(
+            f"config error: parallelism.context_parallel_degree: {cfg.context_parallel_degree} is not supported "
+            "yet (context parallelism is not implemented); set it to 1")
+    tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
+    check_model_layout(model_args, tp=tp, pp=pp, seq_len=seq_len,
+                       sequence_parallel=cfg.enable_sequence_parallel and tp > 1)
+    if pp > 1:
+        check_pipeline_layout(cfg, getattr(model_args, "n_layers", None), local_batch_size)
+    if cfg.expert_parallel_degree > 1:
+        from parallelisms.expert_parallel import check_expert_parallel_layout
+
+        check_expert_parallel_layout(model_args, ep=cfg.expert_parallel_degree, tp=tp,
+                                     sequence_parallel=cfg.enable_sequence_parallel)
 
 
 # Schedules that run one stage per rank, and those that need exactly two (a "V").
@@ -169,15 +173,13 @@ class ParallelDims:
                 f"config error: parallelism: dp_replicate({dp_replicate}) x dp_shard({dp_shard}) x cp({cp}) x "
                 f"tp({tp}) x pp({pp}) = {product}, but the world size is {world_size}; make the product "
                 f"{world_size} (e.g. set parallelism.data_parallel_shard_degree = -1)")
-        if cp != 1:
-            raise ConfigError(f"config error: parallelism.context_parallel_degree: {cp} is not supported yet "
-                              "(context parallelism is not implemented); set it to 1")
         if ep > 1 and (dp_shard * tp) % ep != 0:
             raise ConfigError(
                 f"config error: parallelism.expert_parallel_degree: {ep} must divide dp_shard({dp_shard}) x "
                 f"tp({tp}) = {dp_shard * tp}, the ranks experts borrow; pick a divisor of {dp_shard * tp}")
         self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep = dp_replicate, dp_shard, cp, tp, pp, ep
         self.world_size = world_size
+        self.device_type = "cpu"  # set by build_mesh
         self.world_mesh = None
         self.expert_meshes: dict = {}  # "ep" and, when dp_shard x tp / ep > 1, "efsdp"
 
@@ -186,10 +188,6 @@ class ParallelDims:
         return cls(dp_replicate=cfg.data_parallel_replicate_degree, dp_shard=cfg.data_parallel_shard_degree,
                    cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree, pp=cfg.pipeline_parallel_degree,
                    ep=cfg.expert_parallel_degree, world_size=world_size)
-
-    def validate_model(self, model_args, seq_len: int, sequence_parallel: bool) -> None:
-        """Layout checks that need the model's shape."""
-        check_model_layout(model_args, tp=self.tp, pp=self.pp, seq_len=seq_len, sequence_parallel=sequence_parallel)
 
     @property
     def dp_degree(self) -> int:
@@ -228,6 +226,7 @@ class ParallelDims:
         """Builds the world mesh (None on one rank) and its flattened views."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        self.device_type = device_type
         degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
                    "tp": self.tp}
         names = tuple(n for n in MESH_ORDER if degrees[n] > 1)
@@ -295,13 +294,6 @@ class ParallelDims:
             shard_name = "fsdp" if self.dp_shard > 1 and self.cp > 1 else ("dp_shard" if self.dp_shard > 1 else "cp")
             return self.world_mesh["dp_replicate", shard_name]
         return shard if shard is not None else replicate
-
-    def shard_seed_offset(self) -> int:
-        """A distinct number per (pp, dp_shard, cp, tp) coordinate, shared by dp_replicate replicas."""
-        offset = 0
-        for name in ("pp", "dp_shard", "cp", "tp"):
-            offset = offset * getattr(self, name) + self.coordinate(name)
-        return offset
 
     def coordinate(self, name: str) -> int:
         m = self.mesh(name)

@@ -1,8 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
-`build_pipeline` splits the meta-device model into `pp_degree x stages_per_rank`
-stages, keeps this rank's stages, parallelizes each one (TP -> AC -> compile -> FSDP,
-through the trainer's `parallelize_fn`) and wraps them in a schedule.
+`split_for_rank` splits the meta-device model into `pp_degree x stages_per_rank`
+stages and keeps this rank's; `parallelisms.apply` parallelizes each one, then
+`build_schedule` wraps them in a schedule.
 
 Splitting: each stage is a deep copy of the whole (meta) model with what it does not
 own removed: `tok_embeddings` / `norm` / `output` set to None, blocks deleted from the
@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from parallelisms.parallel_dims import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, check_pipeline_layout
+from parallelisms.parallel_dims import V_SCHEDULES, check_pipeline_layout
+from trainer.configurable import global_rank
 
 logger = logging.getLogger("pipeline")
 
@@ -168,44 +169,39 @@ def _stage_class():
     return BufferSafeStage
 
 
-def build_pipeline(model: nn.Module, spec, dims, cfg, loss_fn: Callable, device: torch.device,
-                   parallelize_fn: Callable[[nn.Module], nn.Module]):
-    """Returns (schedule, model_parts, has_first_stage, has_last_stage) for this rank."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
-    from trainer.configurable import ConfigError
-
+def split_for_rank(model: nn.Module, dims, cfg) -> list[tuple[int, nn.Module]]:
+    """(stage id, stage) for this PP rank's stages: deep copies of the meta `model`, pruned."""
     pcfg = cfg.parallelism
-    name = pcfg.pipeline_parallel_schedule
-    spr = pcfg.pipeline_parallel_stages_per_rank
-    pp = dims.pp
-    n_layers = len(model.layers)
-    check_pipeline_layout(pcfg, n_layers, cfg.training.local_batch_size)
+    name, spr, pp = pcfg.pipeline_parallel_schedule, pcfg.pipeline_parallel_stages_per_rank, dims.pp
+    check_pipeline_layout(pcfg, len(model.layers), cfg.training.local_batch_size)
     num_stages = pp * spr
     if pcfg.module_fqns_per_model_part is not None:
         fqns = [list(stage) for stage in pcfg.module_fqns_per_model_part]
     else:
         fqns = split_stages(model, num_stages)
     check_split(model, fqns)
-
-    pp_mesh = dims.mesh("pp")
-    pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     v_style = name in V_SCHEDULES
-    stage_ids = stage_ids_for_rank(pp_rank, pp, spr, v_style)
-    if dist_rank() == 0:
+    stage_ids = stage_ids_for_rank(dims.mesh("pp").get_local_rank(), pp, spr, v_style)
+    if global_rank() == 0:
         logger.info(f"pipeline: {name}, {num_stages} stages ({spr} per rank, {'V' if v_style else 'loop'} placement), "
                     f"{cfg.training.local_batch_size // pcfg.pipeline_parallel_microbatch_size} microbatches; "
                     + "; ".join(f"stage {s}: {_describe(f)}" for s, f in enumerate(fqns)))
+    return [(sid, prune_to_stage(copy.deepcopy(model), fqns[sid])) for sid in stage_ids]
 
+
+def build_schedule(parts: list[nn.Module], stage_ids: list[int], dims, cfg, loss_fn: Callable,
+                   device: torch.device):
+    """(schedule, has_first_stage, has_last_stage) over this rank's parallelized stages."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from trainer.configurable import ConfigError
+
+    pcfg = cfg.parallelism
+    name = pcfg.pipeline_parallel_schedule
+    num_stages = dims.pp * pcfg.pipeline_parallel_stages_per_rank
     stage_cls = _stage_class()
-    parts, stages = [], []
-    for sid in stage_ids:
-        part = prune_to_stage(copy.deepcopy(model), fqns[sid])
-        part = parallelize_fn(part)
-        parts.append(part)
-        stages.append(stage_cls(part, sid, num_stages, device, group=pp_group))
-    del model
-
+    pp_group = dims.mesh("pp").get_group()
+    stages = [stage_cls(part, sid, num_stages, device, group=pp_group) for sid, part in zip(stage_ids, parts)]
     n_microbatches = cfg.training.local_batch_size // pcfg.pipeline_parallel_microbatch_size
     cls = get_schedule_class(name)
     try:
@@ -216,9 +212,7 @@ def build_pipeline(model: nn.Module, spec, dims, cfg, loss_fn: Callable, device:
     except ValueError as e:  # the schedule's own layout checks, as a one-line config error
         raise ConfigError(f"config error: parallelism.pipeline_parallel_schedule: {name}: "
                           f"{' '.join(str(e).split())}") from None
-    has_first = any(s.is_first for s in stages)
-    has_last = any(s.is_last for s in stages)
-    return schedule, parts, has_first, has_last
+    return schedule, any(s.is_first for s in stages), any(s.is_last for s in stages)
 
 
 def _describe(names: list[str]) -> str:
@@ -237,9 +231,3 @@ def _describe(names: list[str]) -> str:
             out.append(n)
     flush()
     return " + ".join(out)
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -14,16 +14,13 @@ shared by every decoder-only transformer are here:
   head sends one. So its first block takes `Replicate` input and its last block
   gathers its output (`stage_output_style`). This costs one all-gather over TP per
   stage boundary, and keeps the pipeline's P2P free of DTensors.
-- `loss_parallel_loss`: cross entropy on vocab-sharded logits with
-  `torch.distributed.tensor.parallel.loss_parallel`, with the backward of the loss
-  also run inside that context (a requirement of loss_parallel) without the caller
-  having to wrap its `backward()` call.
+- Loss parallel: with vocab-sharded logits (`head_style(..., loss_parallel_on=True)`), the
+  trainer's `train_context()` enters `torch.distributed.tensor.parallel.loss_parallel` around
+  the whole forward and backward, so cross entropy and its backward run on the shards.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -36,14 +33,13 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
     "parallelize_module", "embedding_style", "head_style", "norm_style", "block_input_style",
-    "stage_output_style", "module_input_style", "loss_parallel_loss", "apply_plan", "ReplicateParallel",
+    "stage_output_style", "module_input_style", "apply_plan", "ReplicateParallel",
     "norm_style_no_sp", "PrepareModuleInputOutput",
 ]
 
@@ -151,73 +147,3 @@ def model_level_plan(model: nn.Module, sequence_parallel: bool, loss_parallel_on
 
 def apply_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
     parallelize_module(module, tp_mesh, plan)
-
-
-# ---- loss parallel ----
-class _LossParallelRefCount:
-    """Keeps `loss_parallel()` entered while any forward or backward of a parallel loss
-    runs. Its handlers are process-global, so a count (not nesting) is what matters."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._count = 0
-        self._cm = None
-
-    def enter(self) -> None:
-        with self._lock:
-            self._count += 1
-            if self._count == 1:
-                self._cm = loss_parallel()
-                self._cm.__enter__()
-
-    def leave(self) -> None:
-        with self._lock:
-            if self._count == 0:
-                return
-            self._count -= 1
-            if self._count == 0:
-                cm, self._cm = self._cm, None
-                cm.__exit__(None, None, None)
-
-    @property
-    def active(self) -> int:
-        return self._count
-
-
-_LP = _LossParallelRefCount()
-
-
-def loss_parallel_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
-                       labels: torch.Tensor) -> torch.Tensor:
-    """`fn(logits, labels)` (e.g. a summed cross entropy) on vocab-sharded DTensor logits.
-
-    Returns a plain scalar tensor. loss_parallel must be active in the backward too:
-    a hook on the returned loss enters it when backward reaches the loss, and a hook
-    on the logits leaves it once their gradient is computed, so callers (the trainer's
-    `loss.backward()`, the pipeline schedules) need no context of their own.
-    """
-    _LP.enter()
-    try:
-        loss = fn(logits, labels)
-    finally:
-        _LP.leave()
-    if isinstance(loss, DTensor):
-        loss = loss.to_local()  # Replicate over TP: the local value is the full loss
-    if loss.requires_grad and logits.requires_grad:
-        pending = {"open": False}
-
-        def _enter(grad):
-            if not pending["open"]:
-                pending["open"] = True
-                _LP.enter()
-            return grad
-
-        def _leave(grad):
-            if pending["open"]:
-                pending["open"] = False
-                _LP.leave()
-            return grad
-
-        loss.register_hook(_enter)
-        logits.register_hook(_leave)
-    return loss

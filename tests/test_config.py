@@ -1,6 +1,7 @@
 """Config precedence, validation errors and --help."""
 
 import json
+import tomllib
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,8 @@ def test_every_shipped_config_loads_by_name(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(Llama3StateDictAdapter(LLAMA3_FLAVORS["8B"]).hf_config()))
     for name in names:
-        hf = ["--model.hf_path", str(tmp_path)] if "hf_path" in (CONFIG_DIR / name).read_text() else []
+        table = tomllib.loads((CONFIG_DIR / name).read_text())
+        hf = ["--model.hf_path", str(tmp_path)] if "hf_path" in table.get("model", {}) else []
         cfg = load_config(["--config", name, *hf])
         assert cfg.job.config_file.endswith(name)
 
@@ -111,7 +113,7 @@ def test_cli_error_exits_2_with_one_line_and_no_traceback():
 
 
 def test_impossible_layouts_are_rejected():
-    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallel_dims import ParallelDims, check_model_layout
     from models.llama3 import LLAMA3_FLAVORS
 
     with pytest.raises(ConfigError, match=r"= 6, but the world size is 4"):
@@ -120,13 +122,13 @@ def test_impossible_layouts_are_rejected():
         ParallelDims(tp=3, world_size=4)
     dims = ParallelDims(tp=3, dp_shard=1, world_size=3)
     with pytest.raises(ConfigError, match="does not divide the model's 16 heads"):
-        dims.validate_model(LLAMA3_FLAVORS["debug"], 256, True)
+        check_model_layout(LLAMA3_FLAVORS["debug"], tp=dims.tp, pp=dims.pp, seq_len=256, sequence_parallel=True)
     dims = ParallelDims(tp=2, dp_shard=1, world_size=2)
     with pytest.raises(ConfigError, match="seq_len: 255 is not divisible"):
-        dims.validate_model(LLAMA3_FLAVORS["debug"], 255, True)
+        check_model_layout(LLAMA3_FLAVORS["debug"], tp=dims.tp, pp=dims.pp, seq_len=255, sequence_parallel=True)
     dims = ParallelDims(pp=4, dp_shard=1, world_size=4)
     with pytest.raises(ConfigError, match="4 stages exceed the model's 3 layers"):
-        dims.validate_model(LLAMA3_FLAVORS["debug_small"], 64, False)
+        check_model_layout(LLAMA3_FLAVORS["debug_small"], tp=dims.tp, pp=dims.pp, seq_len=64, sequence_parallel=False)
 
 
 @pytest.mark.parametrize("env, argv, line", [

@@ -118,6 +118,6 @@ def test_profiler_writes_chrome_traces_and_snapshot_says_unavailable_on_cpu(tmp_
 def test_bf16_autocast_on_cpu_when_asked(tmp_path):
     losses, trainer = run_in_process(TINY + ["--training.steps", "2", "--training.mixed_precision_on_cpu",
                                              "--job.dump_folder", str(tmp_path)])
-    assert trainer.autocast_dtype == torch.bfloat16
+    assert trainer.precision.autocast == torch.bfloat16
     fp32, _ = run_in_process(TINY + ["--training.steps", "2", "--job.dump_folder", str(tmp_path / "b")])
     assert losses != fp32 and abs(losses[0] - fp32[0]) < 0.05  # bf16 compute: close, not bitwise

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from parallelisms.activation_checkpoint import ActivationCheckpointConfig
 from parallelisms.compile import CompileConfig
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
-from trainer.configurable import ConfigError, field_docs, opt, set_field
+from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
 from trainer.model_args import MoEConfig, check_hf_export, resolve_model
@@ -93,24 +92,6 @@ class CommSection:
     train_timeout_seconds: int = opt(120, "Timeout for collectives after the first step.", min=1)
 
 
-SECTIONS: dict[str, type] = {
-    "job": JobSection,
-    "model": ModelSection,
-    "training": TrainingSection,
-    "optimizer": OptimizerConfig,
-    "lr_scheduler": LRSchedulerConfig,
-    "loss": LossConfig,
-    "moe": MoEConfig,
-    "checkpoint": CheckpointConfig,
-    "metrics": MetricsConfig,
-    "profiling": ProfilingConfig,
-    "compile": CompileConfig,
-    "activation_checkpoint": ActivationCheckpointConfig,
-    "parallelism": ParallelismConfig,
-    "comm": CommSection,
-}
-
-
 @dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
@@ -128,28 +109,42 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     comm: CommSection = field(default_factory=CommSection)
 
+    # Resolved by validate(): the one lookup of the model (see trainer/model_args.py).
+    model_spec: Any = field(default=None, init=False, repr=False, compare=False, metadata={"section": False})
+    model_args: Any = field(default=None, init=False, repr=False, compare=False, metadata={"section": False})
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
-    def validate(self) -> None:
-        """Cross-field checks; each section may define `validate(root)`."""
-        _, args = resolve_model(self)  # the model is decided here, once (trainer/model_args.py)
+    def validate(self, world_size: int | None = None) -> None:
+        """Cross-field checks, once: resolve the model, then each section's `validate(root)`,
+        then, when the world size is known, the layout against it (`ParallelDims`)."""
+        self.model_spec, self.model_args = resolve_model(self)
         check_hf_export(self)
-        if self.training.dataset == "files" and not self.training.dataset_path:
-            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
-                              "pass --training.dataset_path <file or folder>")
         if self.model.hf_path and self.checkpoint.initial_load_path and not self.checkpoint.enable:
             raise ConfigError("config error: checkpoint.initial_load_path: read only with checkpoint.enable = true "
                               "(model.hf_path alone loads the folder's weights); set --checkpoint.enable true or "
                               "drop it")
-        max_seq = getattr(args, "max_seq_len", None)
+        max_seq = getattr(self.model_args, "max_seq_len", None)
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
                               f"max_seq_len {max_seq}; lower training.seq_len")
+        if self.training.dataset == "files" and not self.training.dataset_path:
+            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
+                              "pass --training.dataset_path <file or folder>")
         for name in SECTIONS:
             section = getattr(self, name)
             if hasattr(section, "validate"):
                 section.validate(self)
+        if world_size is not None:
+            from parallelisms.parallel_dims import ParallelDims
+
+            ParallelDims.from_config(self.parallelism, world_size)
+
+
+# The config sections, in --help order: JobConfig's fields (listed once, above).
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)
+                             if f.metadata.get("section", True)}
 
 
 def resolve_config_path(name: str) -> Path:
@@ -216,8 +211,9 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     return out
 
 
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Builds the root config from defaults, the TOML file and the CLI, then validates it."""
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """Builds the root config from defaults, the TOML file and the CLI, then validates it
+    (the layout against `world_size` too, when given)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = _parse_cli(argv)
     cfg = JobConfig()
@@ -239,7 +235,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         if (section, key) == ("job", "config_file"):
             continue
         set_field(getattr(cfg, section), section, key, value, from_cli=True)
-    cfg.validate()
+    cfg.validate(world_size)
     return cfg
 
 
@@ -264,7 +260,7 @@ def format_config(cfg: JobConfig) -> str:
     return "\n".join(out)
 
 
-def main_guard(argv: list[str] | None = None) -> JobConfig:
+def main_guard(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
     """For entry points: --help prints the field docs; a ConfigError prints one line and exits 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -274,8 +270,8 @@ def main_guard(argv: list[str] | None = None) -> JobConfig:
             pass
         sys.exit(0)
     try:
-        return load_config(argv)
+        return load_config(argv, world_size)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if global_rank() == 0:
             print(str(e), file=sys.stderr)
         sys.exit(2)

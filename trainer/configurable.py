@@ -151,3 +151,46 @@ def field_docs(section_obj_or_cls: Any) -> list[tuple[str, str, Any, str]]:
             doc += f" One of: {', '.join(map(str, f.metadata['choices']))}."
         out.append((f.name, type_name(hints[f.name]), default, doc))
     return out
+
+
+# ---------------------------------------------------------------------------
+# The process's rank and the environment knobs: stdlib only, so that every package
+# (trainer, parallelisms, scripts) may import this leaf.
+# ---------------------------------------------------------------------------
+
+def global_rank() -> int:
+    """This process's global rank: the default process group's when one exists, else
+    torchrun's RANK, else 0. (torch is not imported here: it is read only if loaded.)"""
+    import os
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+# Every environment variable the code reads, with what it does. Config belongs in TOML;
+# these are for diagnostics, launchers and tests. `README.md` lists them.
+ENV_KNOBS: dict[str, str] = {
+    "AC_TRACE": "1 logs each distinct op's activation-checkpointing verdict once (SAVE/RECOMPUTE/ALTERNATE), rank 0.",
+    "TITAN_CHECK_WORLD_SIZE": "set by run_train.sh for `trainer.launch --check-config`: the layout is checked "
+                              "against this world size before torchrun starts.",
+    "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",
+    "TITAN_PREEMPT_MARKER": "test hook: rank 0 writes the preempted step to this file.",
+    "NGPU / NPROC, LOG_RANK, CONFIG_FILE, TORCHRUN": "run_train.sh: processes, ranks shown, default config, launcher.",
+}
+
+
+def env_value(name: str, default: str = "") -> str:
+    """The value of a documented knob (a KeyError for one missing from ENV_KNOBS)."""
+    import os
+
+    if name not in ENV_KNOBS:
+        raise KeyError(f"{name} is not a documented environment knob (add it to ENV_KNOBS)")
+    return os.environ.get(name, default)
+
+
+def env_flag(name: str) -> bool:
+    """A documented knob read as a boolean: unset, '', 0, false, no, off -> False."""
+    return env_value(name, "0").strip().lower() not in ("", "0", "false", "no", "off")

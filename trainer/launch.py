@@ -110,19 +110,12 @@ def _install_agent_handlers() -> None:
 
 def check_config(argv: list[str]) -> int:
     from trainer.config import main_guard
+    from trainer.configurable import env_value
     from trainer.model_args import model_label
 
-    cfg = main_guard(argv)  # prints `config error: ...` and exits 2 on a bad config
-    world = int(os.environ.get("TITAN_CHECK_WORLD_SIZE", "0"))
-    if world > 0:  # the launcher knows the world size: check the layout against it too
-        from parallelisms.parallel_dims import ParallelDims
-        from trainer.configurable import ConfigError
-
-        try:
-            ParallelDims.from_config(cfg.parallelism, world)
-        except ConfigError as e:
-            print(str(e), file=sys.stderr)
-            return 2
+    # The launcher knows the world size: the layout is checked against it too (same code as the workers).
+    world = int(env_value("TITAN_CHECK_WORLD_SIZE", "0")) or None
+    cfg = main_guard(argv, world_size=world)  # prints `config error: ...` and exits 2 on a bad config
     print(f"config ok: {cfg.job.config_file or '(defaults)'} model={model_label(cfg)} "
           f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
           f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)

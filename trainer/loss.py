@@ -20,7 +20,7 @@ Under FSDP the output weight is only gathered while the norm+output unit runs, s
 the chunked loss is computed *inside* that module: `install_chunked_ce_head`
 swaps the model's `output` Linear for a `LinearCrossEntropyHead` holding the same
 Parameter (so the state-dict key stays `output.weight`), and
-`chunked_ce_loss_sum(model, inputs, labels)` hands it the labels for one forward.
+`chunked_ce_labels(model, labels)` hands it the labels for one forward.
 """
 
 from __future__ import annotations
@@ -86,70 +86,70 @@ def mtp_targets(labels: torch.Tensor, depth: int) -> torch.Tensor:
     return targets(labels, depth)
 
 
-class TokenLoss:
-    """The loss of one optimizer step, as the trainer's `loss_fn(logits, labels)`.
+def count_tokens(labels: torch.Tensor, mtp_depth: int = 0) -> torch.Tensor:
+    """Valid tokens of each loss term of one microbatch: [main, MTP depth 1, ..., depth D]."""
+    b = labels.shape[0]
+    terms = [labels] + ([mtp_targets(labels, mtp_depth)[k * b:(k + 1) * b] for k in range(mtp_depth)]
+                        if mtp_depth else [])
+    return torch.stack([(t != IGNORE_INDEX).sum() for t in terms]).to(torch.float32)
 
-    Every term is a summed token loss divided by its number of valid tokens in the whole
-    global batch (`start_step` counts them over all microbatches and data-parallel
-    ranks), so gradients do not depend on the split. With multi-token prediction the
-    logits are [(1 + D) * B, S, V] (main head first, then depth 1..D, see
-    models/deepseek_v3/mtp.py) and
 
-        loss = main / N_0 + mtp_weight / D * sum_k CE_k / N_k,
+class TokenNormalizedLoss:
+    """The one training loss: the summed token cross entropy of a microbatch divided by the
+    number of valid tokens in the whole global batch.
 
-    N_k counting the positions depth k can predict (D = 0 is the plain next-token loss).
-    Each returned loss carries its detached terms as `loss.token_terms` ([main, depth 1,
-    ..., depth D], each already divided by its count): summed over the step's losses (a
-    pipeline schedule hands back the same tensors) they are what the trainer logs, loss
-    and mtp_loss, and extra calls (a pipeline's shape inference) do not count.
+    Called as `loss_fn(output, labels)` by the trainer and by pipeline schedules alike.
+    `output` is the model's logits, or, with chunked CE, the summed loss its head already
+    computed. The divisor belongs to one step and is set only for its duration,
+    `with loss_fn.normalized_by(global_tokens): ...`, so it can never leak into another step.
 
-    `ce(logits, labels)` is the summed cross entropy: `cross_entropy_sum`, or its
-    loss-parallel version on vocab-sharded DTensor logits.
+    Multi-token prediction (`mtp_depth` D > 0, models/deepseek_v3/mtp.py): the logits are
+    [(1 + D) * B, S, V], main head first, and
+
+        loss = CE_0 / N_0 + mtp_weight / D * sum_k CE_k / N_k,
+
+    `global_tokens` then holding N_0..N_D (`count_tokens` per microbatch, summed over the
+    global batch), N_k counting the positions depth k can predict. Every returned loss
+    carries its detached terms as `loss.token_terms` ([main, depth 1, ..., depth D], each
+    divided by its count): summed over a step's losses (a pipeline schedule hands back
+    the same tensors, so its shape-inference call does not count) they are what the
+    trainer logs: loss (the main head's, what transformers computes) and mtp_loss.
     """
 
-    def __init__(self, mtp_depth: int = 0, mtp_weight: float = 0.0, ce=cross_entropy_sum):
-        self.depth, self.weight, self.ce = mtp_depth, mtp_weight, ce
-        self.counts: torch.Tensor | None = None
+    def __init__(self, chunked_ce: bool = False, mtp_depth: int = 0, mtp_weight: float = 0.0):
+        self.chunked_ce, self.mtp_depth, self.mtp_weight = chunked_ce, mtp_depth, mtp_weight
+        self._divisor: torch.Tensor | None = None
 
-    def start_step(self, batches, dp_group=None) -> torch.Tensor:
-        """Counts valid tokens per term over `batches` (every microbatch of the step) and
-        `dp_group`; returns the counts [1 + D]."""
-        per_term = []
-        for _, labels in batches:
-            terms = [labels] + [mtp_targets(labels, self.depth)[k * labels.shape[0]:(k + 1) * labels.shape[0]]
-                                for k in range(self.depth)]
-            per_term.append(torch.stack([(t != IGNORE_INDEX).sum() for t in terms]))
-        counts = torch.stack(per_term).sum(dim=0).to(torch.float32)
-        if dp_group is not None:
-            import torch.distributed as dist
+    @contextlib.contextmanager
+    def normalized_by(self, global_tokens: torch.Tensor):
+        self._divisor = global_tokens.reshape(-1)
+        try:
+            yield self
+        finally:
+            self._divisor = None
 
-            dist.all_reduce(counts, group=dp_group)
-        self.counts = counts
-        return counts
-
-    def scaled_main(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """A main-head summed loss computed elsewhere (chunked CE), normalised."""
-        loss = loss_sum / self.counts[0]
-        loss.token_terms = loss.detach().reshape(1)
-        return loss
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.depth == 0:
-            return self.scaled_main(self.ce(logits, labels))
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._divisor is None:
+            raise RuntimeError("TokenNormalizedLoss called outside normalized_by(global_tokens)")
+        if self.mtp_depth == 0:
+            loss = _local(output if self.chunked_ce else cross_entropy_sum(output, labels)) / self._divisor[0]
+            loss.token_terms = loss.detach().reshape(1)
+            return loss
         b = labels.shape[0]
-        if logits.shape[0] != (1 + self.depth) * b:
-            raise RuntimeError(f"multi-token prediction: expected logits for {1 + self.depth} x {b} rows, got "
-                               f"{logits.shape[0]}; the model must be called with mtp_labels")
-        targets = torch.cat([labels, mtp_targets(labels, self.depth)], dim=0)
-        terms = torch.stack([self.ce(logits[k * b:(k + 1) * b], targets[k * b:(k + 1) * b]) / self.counts[k]
-                             for k in range(1 + self.depth)])
-        loss = terms[0] + (self.weight / self.depth) * terms[1:].sum()
+        if output.shape[0] != (1 + self.mtp_depth) * b:
+            raise RuntimeError(f"multi-token prediction: expected logits for {1 + self.mtp_depth} x {b} rows, got "
+                               f"{output.shape[0]}; the model must be called with mtp_labels")
+        targets = torch.cat([labels, mtp_targets(labels, self.mtp_depth)], dim=0)
+        terms = torch.stack([_local(cross_entropy_sum(output[k * b:(k + 1) * b], targets[k * b:(k + 1) * b]))
+                             for k in range(1 + self.mtp_depth)]) / self._divisor
+        loss = terms[0] + (self.mtp_weight / self.mtp_depth) * terms[1:].sum()
         loss.token_terms = terms.detach()
         return loss
 
-    def zero_terms(self, device) -> torch.Tensor:
-        """What a step's `token_terms` sum to before any loss (on ranks without the head)."""
-        return torch.zeros(1 + self.depth, dtype=torch.float32, device=device)
+
+def _local(loss_sum: torch.Tensor) -> torch.Tensor:
+    """Loss parallel gives a replicated DTensor scalar: its local value is the full loss."""
+    return loss_sum.to_local() if hasattr(loss_sum, "to_local") else loss_sum
 
 
 # ---------------------------------------------------------------------------
@@ -349,14 +349,22 @@ def install_chunked_ce_head(model: nn.Module, cfg: LossConfig) -> bool:
     return True
 
 
+def chunked_ce_labels(model: nn.Module, labels: torch.Tensor):
+    """Context in which `model`'s `LinearCrossEntropyHead` (if installed) computes the summed
+    token loss against `labels` and returns it instead of logits; else a no-op."""
+    head = getattr(model, "output", None)
+    if isinstance(head, LinearCrossEntropyHead):
+        return head.expect_labels(labels)
+    return contextlib.nullcontext()
+
+
 def chunked_ce_loss_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Runs `model(inputs)` with its `LinearCrossEntropyHead` computing the summed token
     loss against `labels` (fp32 scalar); the caller divides by the global token count."""
-    head = getattr(model, "output", None)
-    if not isinstance(head, LinearCrossEntropyHead):
+    if not isinstance(getattr(model, "output", None), LinearCrossEntropyHead):
         raise RuntimeError("chunked_ce_loss_sum: model.output is not a LinearCrossEntropyHead; "
                            "call install_chunked_ce_head before parallelizing the model")
-    with head.expect_labels(labels):
+    with chunked_ce_labels(model, labels):
         out = model(inputs)
     if out.dim() != 0:
         raise RuntimeError(f"chunked_ce_loss_sum: the model returned shape {tuple(out.shape)}, not the loss; "

@@ -466,11 +466,13 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
                     config_name: str = "") -> MemoryEstimate:
     """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks."""
     from trainer.configurable import ConfigError
-    from trainer.model_args import model_label, resolve_model
+    from trainer.model_args import model_label
 
     world = world_size or default_world_size(cfg.parallelism, gpus_per_node)
     layout = resolve_layout(cfg, world)
-    spec, args = resolve_model(cfg)
+    if cfg.model_args is None:  # a JobConfig built in code, not by load_config
+        cfg.validate()
+    spec, args = cfg.model_spec, cfg.model_args
     with torch.device("meta"):
         model = spec.model_cls(args)
     t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint

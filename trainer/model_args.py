@@ -1,12 +1,13 @@
-"""Which model a run builds: `resolve_model(cfg) -> (spec, args)`, decided once.
+"""Model args, resolved once: `resolve_model(cfg) -> (spec, args)`.
 
-The shape of the model comes from one of two places: `model.flavor` (a named args
-dataclass of the spec), or, with `model.hf_path`, the folder's config.json, so that a
-published checkpoint trains with one option and no flavor of its own. Config
+The shape of the model comes from one of two places: `model.name` + `model.flavor` (a
+named args dataclass of the spec), or, with `model.hf_path`, the folder's config.json,
+so that a published checkpoint trains with one option and no flavor of its own. Config
 overrides (`model.mtp_depth`, the `[moe]` knobs) are then applied to those args with
-`dataclasses.replace`. Every consumer (config validation, the trainer, the dry run,
-the memory estimator, parallelism checks) reads the result, cached on the config, so
-they can never disagree about the model.
+`dataclasses.replace`. `JobConfig.validate` calls `resolve_model` once and keeps the
+result; the trainer, the parallelism checks, the dry run and the memory estimator all
+read `cfg.model_spec` and `cfg.model_args`, so a field that changes the shape is
+applied in exactly one place.
 
 The `[moe]` section lives here, not in models/common/moe.py: models know nothing of
 the trainer's config (layering), and resolve_model maps the section onto the fields
@@ -42,14 +43,22 @@ class MoEConfig:
 _MOE_FIELDS = {"bias_update_rate": "load_balance_coeff", "aux_loss_coeff": "aux_loss_coeff"}
 
 
-def _unknown(key: str, value: str, valid: list[str], where: str = "") -> ConfigError:
+def unknown_value(key: str, value: str, valid: list[str], where: str = "") -> str:
     close = difflib.get_close_matches(value, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}")
+    return f"config error: {key}: unknown value {value!r}{where}{hint}; valid: {', '.join(valid)}"
+
+
+def _spec(name: str):
+    from models import get_model_spec, model_names
+
+    try:
+        return get_model_spec(name)
+    except KeyError:
+        raise ConfigError(unknown_value("model.name", name, model_names())) from None
 
 
 def _from_hf(m) -> tuple[Any, Any]:
-    from models import MODEL_SPECS
     from models.hf_config import HFConfigError, matching_flavors, model_from_hf_folder, read_hf_config
 
     folder = Path(m.hf_path)
@@ -58,7 +67,7 @@ def _from_hf(m) -> tuple[Any, Any]:
         hf_cfg = read_hf_config(folder)
     except HFConfigError as e:
         raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
-    spec = MODEL_SPECS[name]
+    spec = _spec(name)
     if m.name is not None and m.name != name:
         model_type = hf_cfg.get("model_type")
         ours = "" if model_type == name else f" (our {name})"
@@ -66,7 +75,7 @@ def _from_hf(m) -> tuple[Any, Any]:
                           f"{m.name!r}; pass --model.name {name} or drop model.name (model.hf_path sets it)")
     if m.flavor is not None:
         if m.flavor not in spec.flavors:
-            raise _unknown("model.flavor", m.flavor, list(spec.flavors), f" for {name}")
+            raise ConfigError(unknown_value("model.flavor", m.flavor, list(spec.flavors), f" for {name}"))
         diff = spec.state_dict_adapter(spec.flavors[m.flavor]).mismatches(args)
         if diff:
             fits = matching_flavors(spec, args)
@@ -83,15 +92,10 @@ def _from_hf(m) -> tuple[Any, Any]:
 
 
 def _from_flavor(m) -> tuple[Any, Any]:
-    from models import MODEL_SPECS
-
-    name = m.name or DEFAULT_MODEL
-    if name not in MODEL_SPECS:
-        raise _unknown("model.name", name, list(MODEL_SPECS))
-    spec = MODEL_SPECS[name]
+    spec = _spec(m.name or DEFAULT_MODEL)
     flavor = m.flavor or DEFAULT_FLAVOR
     if flavor not in spec.flavors:
-        raise _unknown("model.flavor", flavor, list(spec.flavors), f" for {name}")
+        raise ConfigError(unknown_value("model.flavor", flavor, list(spec.flavors), f" for {spec.name}"))
     return spec, spec.flavors[flavor]
 
 
@@ -116,25 +120,16 @@ def _apply_overrides(cfg, spec, args):
     return dataclasses.replace(args, **changes) if changes else args
 
 
-def _cache_key(cfg) -> tuple:
-    m, moe = cfg.model, getattr(cfg, "moe", None)
-    return (m.name, m.flavor, m.hf_path, m.mtp_depth, None if moe is None else dataclasses.astuple(moe))
-
-
 def resolve_model(cfg) -> tuple[Any, Any]:
-    """(ModelSpec, model args) of the run `cfg` (a JobConfig) describes; raises ConfigError
-    in one line. Writes the resolved model name (and flavor, without hf_path) back into
-    cfg.model, so printed configs and logs show what is built. Cached on `cfg`."""
-    cached = getattr(cfg, "_resolved_model", None)
-    if cached is not None and cached[0] == _cache_key(cfg):
-        return cached[1]
+    """(ModelSpec, model args) of the run `cfg` (a JobConfig) describes, or a one-line
+    ConfigError. Writes the resolved model name (and flavor, without hf_path) back into
+    cfg.model, so printed configs and logs show what is built."""
     m = cfg.model
     spec, args = _from_hf(m) if m.hf_path else _from_flavor(m)
     args = _apply_overrides(cfg, spec, args)
     m.name = spec.name
     if not m.hf_path:
         m.flavor = m.flavor or DEFAULT_FLAVOR
-    cfg._resolved_model = (_cache_key(cfg), (spec, args))
     return spec, args
 
 
@@ -144,7 +139,7 @@ def check_hf_export(cfg) -> None:
     V2, which has no routing bias for aux-loss-free balancing to train)."""
     if not cfg.checkpoint.last_save_in_hf:
         return
-    spec, args = resolve_model(cfg)
+    spec, args = cfg.model_spec, cfg.model_args
     if spec.state_dict_adapter is None:
         raise ConfigError(f"config error: checkpoint.last_save_in_hf: {spec.name} has no Hugging Face format; "
                           "set it to false")

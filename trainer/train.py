@@ -9,28 +9,28 @@ post-step hook (MoE bias update), then log, checkpoint and profile.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import gc
 import logging
-import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from models.common.moe import set_aux_loss_sequences
+from parallelisms.apply import autocast_context, build_model_parts, resolve_precision
 from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
-from trainer.configurable import ConfigError
-from trainer.loss import TokenLoss, chunked_ce_loss_sum, cross_entropy_sum, install_chunked_ce_head
+from trainer.configurable import ConfigError, global_rank
 from trainer.hf_io import load_hf_weights
+from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger
-from trainer.model_args import check_tokenizer_fits, describe_args, model_label, resolve_model, tokenizer_path
+from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
@@ -39,30 +39,36 @@ logger = logging.getLogger("trainer")
 
 
 def setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")
+    rank = global_rank()
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
 
 
-def build_model_on_meta(cfg: JobConfig):
-    spec, args = resolve_model(cfg)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    return spec, args, model
-
-
 def dry_run(cfg: JobConfig) -> dict[str, float]:
     """Builds the model on the meta device (no allocation) and prints what a user checks before renting GPUs."""
-    spec, args, model = build_model_on_meta(cfg)
-    summary = spec.summary_fn(model, args, cfg.training.seq_len)
+    from parallelisms.apply import build_model
+
+    model = build_model(cfg.model_spec, cfg.model_args)
+    summary = cfg.model_spec.summary_fn(model, cfg.model_args, cfg.training.seq_len)
     print(format_config(cfg))
     print(f"model: {model_label(cfg)}")
-    print(f"model args: {describe_args(args)}")
+    print(f"model args: {describe_args(cfg.model_args)}")
     print(f"parameters: {int(summary['params']):,}")
     if "activated_params" in summary:
         print(f"activated parameters: {int(summary['activated_params']):,}")
     print(f"FLOPs/token (seq_len {cfg.training.seq_len}): {summary['flops_per_token']:,.0f}")
     return summary
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports: the global mean token loss, the pre-clip gradient
+    norm, the learning rate the step used, and model metrics (MoE load) when asked for."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    extra_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -73,17 +79,14 @@ class Trainer:
         self.preemption = PreemptionHandler()
         self.device = tdist.pick_device(t.device)
         self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = global_rank()
+        if cfg.model_args is None:  # a JobConfig built in code, not by load_config
+            cfg.validate()
+        self.spec, self.model_args = cfg.model_spec, cfg.model_args
         self.dims = ParallelDims.from_config(cfg.parallelism, tdist.world_size())
-        self.spec, self.model_args = resolve_model(cfg)
-        self.dims.validate_model(self.model_args, t.seq_len,
-                                 cfg.parallelism.enable_sequence_parallel and self.dims.tp_enabled)
         self.dims.build_mesh(self.device.type)
         tdist.set_seed(t.seed, t.deterministic)
-        self.param_dtype = tdist.resolve_dtype(t.mixed_precision_param, self.device, t.mixed_precision_on_cpu)
-        self.reduce_dtype = tdist.resolve_dtype(t.mixed_precision_reduce, self.device, t.mixed_precision_on_cpu)
-        # Without FSDP (one GPU) its MixedPrecisionPolicy is absent: autocast gives the same bf16 compute.
-        self.autocast_dtype = self.param_dtype if self.dims.fsdp_mesh() is None else torch.float32
+        self.precision = resolve_precision(t, self.device.type, fsdp_enabled=self.dims.fsdp_mesh() is not None)
 
         # ---- batch layout ----
         self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
@@ -106,32 +109,15 @@ class Trainer:
             dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
 
-        # ---- model: meta -> [PP split] -> TP -> AC -> compile -> FSDP -> materialise ----
-        with torch.device("meta"):
-            model = self.spec.model_cls(self.model_args)
-        summary = self.spec.summary_fn(model, self.model_args, t.seq_len)
-        # loss.chunked_ce: the output Linear becomes a head that computes the loss (same params/FQNs).
-        self.chunked_ce = install_chunked_ce_head(model, cfg.loss)
+        # ---- model: the one assembly path (parallelisms/apply.py) ----
         self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
-        self.token_loss = self.build_token_loss()
-        self.num_params, self.flops_per_token = summary["params"], summary["flops_per_token"]
-        self.pp_schedule = None
-        self.has_first_stage = self.has_last_stage = True
-        if self.dims.pp_enabled:
-            from parallelisms.pipeline import build_pipeline
-
-            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = build_pipeline(
-                model, self.spec, self.dims, cfg, self.loss_fn, self.device, self.parallelize_part)
-        else:
-            self.model_parts = [self.parallelize_part(model)]
-        # Each shard draws from its own stream (replicas share one), so shards are not copies
-        # of each other; runs that must match across layouts start from a seed checkpoint.
-        torch.manual_seed(t.seed + self.dims.shard_seed_offset())
-        for part in self.model_parts:
-            part.to_empty(device=self.device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=self.device)
-            part.train()
+        self.loss_fn = TokenNormalizedLoss(chunked_ce=cfg.loss.chunked_ce, mtp_depth=self.mtp_depth,
+                                           mtp_weight=cfg.loss.mtp_weight)
+        built = build_model_parts(self.spec, self.model_args, self.dims, cfg, self.device, loss_fn=self.loss_fn,
+                                  prepare=lambda model: install_chunked_ce_head(model, cfg.loss))
+        self.model_parts, self.pp_schedule = built.parts, built.schedule
+        self.has_first_stage, self.has_last_stage = built.has_first_stage, built.has_last_stage
+        self.num_params, self.flops_per_token = built.summary["params"], built.summary["flops_per_token"]
         tdist.set_seed(t.seed, t.deterministic)
         # MoE balance loss: one mean over the sequences of the global batch (a no-op without MoE).
         set_aux_loss_sequences(self.model_parts, self.global_batch_size)
@@ -165,119 +151,91 @@ class Trainer:
                         f"{self.flops_per_token:,.0f} FLOPs/token; world {tdist.world_size()} "
                         f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}, "
                         f"pp {self.dims.pp}, ep {self.dims.ep}); {self.device.type}/{self.backend or 'single'}, "
-                        f"param dtype {self.param_dtype}; global batch {self.global_batch_size} = local "
+                        f"param dtype {self.precision.param}; global batch {self.global_batch_size} = local "
                         f"{t.local_batch_size} x dp {self.dp_degree} x accum {self.grad_accum_steps}; "
-                        f"AC {cfg.activation_checkpoint.mode}, compile {cfg.compile.enable}; "
                         f"starting at step {self.step}")
-
-    # ---- model assembly (one model part) ----
-    def parallelize_part(self, part: nn.Module) -> nn.Module:
-        cfg = self.cfg
-        if self.dims.tp_enabled:
-            if self.spec.tensor_parallel_fn is None:
-                raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {cfg.model.name} has no "
-                                  "TP plan; set it to 1")
-            self.spec.tensor_parallel_fn(part, self.dims.mesh("tp"), cfg.parallelism)
-        if self.dims.ep_enabled:
-            if self.spec.expert_parallel_fn is None:
-                raise ConfigError(f"config error: parallelism.expert_parallel_degree: {cfg.model.name} has no "
-                                  "experts; set it to 1")
-            self.spec.expert_parallel_fn(part, self.dims, cfg.parallelism)
-        if cfg.activation_checkpoint.mode != "none":
-            from parallelisms.activation_checkpoint import apply_activation_checkpointing
-
-            apply_activation_checkpointing(
-                part, cfg.activation_checkpoint, extra_save_ops=self.spec.sac_save_ops,
-                force_recompute_fqns=tuple(self.spec.sac_force_recompute_fqns), compile_enabled=cfg.compile.enable)
-        if cfg.compile.enable:
-            from parallelisms.compile import apply_compile
-
-            apply_compile(part, cfg.compile, cfg.activation_checkpoint)
-        dp_mesh = self.dims.fsdp_mesh()
-        if dp_mesh is not None:
-            from parallelisms.fsdp import apply_fsdp
-
-            apply_fsdp(part, dp_mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                       reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                       pp_enabled=self.dims.pp_enabled, cpu_offload=cfg.parallelism.fsdp_cpu_offload,
-                       backend=self.backend or "nccl")
-        return part
-
-    # ---- loss ----
-    def build_token_loss(self) -> TokenLoss:
-        """Summed token losses / global valid tokens (trainer/loss.py), MTP depths included."""
-        ce = cross_entropy_sum
-        if self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
-            # Logits are vocab-sharded DTensors; the helper also runs the loss's backward
-            # under loss_parallel, wherever that backward is called (here or in a PP schedule).
-            from parallelisms.tensor_parallel import loss_parallel_loss
-
-            ce = functools.partial(loss_parallel_loss, cross_entropy_sum)
-        return TokenLoss(self.mtp_depth, self.cfg.loss.mtp_weight, ce)
-
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.token_loss(logits, labels)
-
-    def forward_kwargs(self, labels: torch.Tensor) -> dict:
-        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
-        return {"mtp_labels": labels} if self.mtp_depth else {}
 
     # ---- one optimizer step ----
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [tuple(x.to(self.device, non_blocking=True) for x in next(self.data_iter))
                 for _ in range(self.grad_accum_steps)]
 
-    def autocast(self):
-        """bf16 compute without FSDP (one GPU, or CPU when asked); a no-op in fp32 and under FSDP."""
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                              enabled=self.autocast_dtype != torch.float32)
-
-    def train_step(self, batches) -> tuple[float, float]:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+    def count_global_tokens(self, batches) -> torch.Tensor:
+        """Valid (non-ignored) label tokens of the whole global batch: every microbatch, every data
+        rank; one count per loss term (the main head, then each MTP depth: `count_tokens`)."""
+        local = sum(count_tokens(labels, self.mtp_depth) for _, labels in batches)
         dp_mesh = self.dims.mesh("dp_cp")
-        self.token_loss.start_step(batches, dp_mesh.get_group() if dp_mesh is not None else None)
-        loss_sum = self.token_loss.zero_terms(self.device)  # [main, MTP depths...], see TokenLoss
-        if self.pp_schedule is not None:
-            for inputs, labels in batches:
+        if dp_mesh is not None:
+            dist.all_reduce(local, group=dp_mesh.get_group())
+        return local
+
+    @contextlib.contextmanager
+    def train_context(self, global_tokens: torch.Tensor):
+        """Everything that wraps a step's forward and backward passes: the loss normalisation
+        by the global token count, loss parallel under TP (vocab-sharded logits), and bf16
+        autocast where FSDP's mixed precision is absent (one GPU, TP or PP without FSDP)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.loss_fn.normalized_by(global_tokens))
+            if self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            stack.enter_context(autocast_context(self.precision, self.device.type))
+            yield
+
+    def forward_kwargs(self, labels: torch.Tensor) -> dict:
+        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
+        return {"mtp_labels": labels} if self.mtp_depth else {}
+
+    def forward_backward(self, batches) -> torch.Tensor:
+        """Runs every microbatch's forward and backward (or the pipeline schedule); returns
+        this rank's summed normalised loss terms [main, MTP depths...] (`loss.token_terms`;
+        0 on pipeline ranks without the last stage)."""
+        loss_sum = torch.zeros(1 + self.mtp_depth, device=self.device, dtype=torch.float32)
+        for inputs, labels in batches:
+            if self.pp_schedule is not None:
                 losses: list[torch.Tensor] = []
                 targets = labels if self.has_last_stage else None
-                if self.has_first_stage:
-                    self.pp_schedule.step(inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
-                else:
-                    self.pp_schedule.step(target=targets, losses=losses, **self.forward_kwargs(labels))
+                stage_inputs = (inputs,) if self.has_first_stage else ()
+                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
                 for loss in losses:
                     loss_sum += loss.token_terms
-            # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
-            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
-        else:
-            model = self.model_parts[0]
-            for inputs, labels in batches:
-                with self.autocast():
-                    if self.chunked_ce:  # the head computes the summed loss while FSDP has its weight gathered
-                        loss = self.token_loss.scaled_main(chunked_ce_loss_sum(model, inputs, labels))
-                    else:
-                        loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
+            else:
+                model = self.model_parts[0]
+                with chunked_ce_labels(model, labels):  # no reference to the logits outlives the loss
+                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
                 loss.backward()
                 loss_sum += loss.token_terms
+        return loss_sum
+
+    def train_step(self, batches, *, with_metrics: bool = True) -> StepResult:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        with self.train_context(self.count_global_tokens(batches)):
+            loss_sum = self.forward_backward(batches)
+        if self.pp_schedule is not None:
+            # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
+            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
             pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
+        lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step's update uses
         for opt in self.optimizers:
             opt.step()
         for sched in self.lr_schedulers:
             sched.step()
-        # Model-specific extra metrics (MoE expert load), read before the hook zeroes its counters.
-        self.step_extra_metrics: dict[str, float] = {}
+        # Model-specific hook (MoE bias update); its metrics (expert load) come back explicitly.
+        extra: dict[str, float] = {}
         if self.spec.post_optimizer_step_fn is not None:
             for part in self.model_parts:
-                self.step_extra_metrics.update(self.spec.post_optimizer_step_fn(part, self.dims) or {})
+                extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
         # The logged loss is the global mean over valid tokens (the main head's; MTP depths apart).
+        dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
         if self.mtp_depth:
-            self.step_extra_metrics["mtp_loss"] = loss_sum[1:].mean().item()
-        return loss_sum[0].item(), float(grad_norm.item())
+            extra["mtp_loss"] = loss_sum[1:].mean().item()
+        return StepResult(loss=loss_sum[0].item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra)
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training
@@ -294,15 +252,14 @@ class Trainer:
                 self.step += 1
                 if self.step % t.gc_freq == 0:
                     gc.collect(1)
-                batches = self.next_microbatches()
-                loss, grad_norm = self.train_step(batches)
-                losses.append(loss)
                 last = self.step == t.steps
+                log_now = self.metrics.should_log(self.step, last)
+                result = self.train_step(self.next_microbatches(), with_metrics=log_now)
+                losses.append(result.loss)
                 self.metrics.add_tokens(tokens_per_step)
-                if self.metrics.should_log(self.step, last):
-                    self.metrics.record(self.step, loss=loss, grad_norm=grad_norm,
-                                        lr=self.lr_schedulers[0].get_last_lr()[0],
-                                        extra=getattr(self, "step_extra_metrics", None))
+                if log_now:
+                    self.metrics.record(self.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr,
+                                        extra=result.extra_metrics)
                 if self.checkpointer.should_save(self.step, last):
                     self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:
@@ -331,7 +288,7 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    cfg = main_guard(argv)
+    cfg = main_guard(argv, world_size=tdist.world_size())
     if cfg.job.dry_run:
         dry_run(cfg)
         return 0
@@ -339,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if global_rank() == 0:
             print(str(e), file=sys.stderr)
         tdist.destroy()
         return 2

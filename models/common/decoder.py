@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 
 
@@ -30,9 +31,9 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+        trunc_normal_(self.w1.weight, mean=0.0, std=std)
+        trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
+        trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
 
 
 class DecoderLM(nn.Module):
@@ -62,14 +63,16 @@ class DecoderLM(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None:
             final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+            trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline
-        stage without the embedding. Returns logits, or hidden states on a stage without
-        the output head."""
+        stage without the embedding. `positions` ([seq] or [batch, seq] token positions)
+        places RoPE where the tokens are not 0..seq-1: a context-parallel shard, or
+        packed documents that restart at 0. Returns logits, or hidden states on a stage
+        without the output head."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
+        rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
         for block in self.layers.values():
             h = block(h, rope)
         h = self.norm(h) if self.norm is not None else h

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from models.common.decoder import FeedForward
+from models.common.init import trunc_normal_
 
 
 @dataclass
@@ -117,7 +118,7 @@ class TopKRouter(nn.Module):
         return weights * self.route_scale, ids, scores
 
     def init_weights(self, std: float) -> None:
-        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=std)
+        trunc_normal_(self.gate.weight, mean=0.0, std=std)
 
 
 # --------------------------------------------------------------------------- experts
@@ -217,9 +218,9 @@ class GroupedExperts(nn.Module):
         return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=std)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
+        trunc_normal_(self.w1, mean=0.0, std=std)
+        trunc_normal_(self.w2, mean=0.0, std=out_std)
+        trunc_normal_(self.w3, mean=0.0, std=out_std)
 
 
 # --------------------------------------------------------------------------- aux loss

@@ -55,7 +55,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos_sin: [seq, 2, head_dim]."""
-    cos = cos_sin[:, 0].unsqueeze(1).to(x.dtype)
-    sin = cos_sin[:, 1].unsqueeze(1).to(x.dtype)
+    """x: [batch, seq, heads, head_dim]; cos_sin: [seq, 2, head_dim], or [batch, seq, 2,
+    head_dim] when each sample has its own positions."""
+    cos = cos_sin[..., 0, :].unsqueeze(-2).to(x.dtype)  # [(batch,) seq, 1, head_dim]
+    sin = cos_sin[..., 1, :].unsqueeze(-2).to(x.dtype)
     return x * cos + rotate_half(x) * sin

@@ -25,8 +25,9 @@ def _sac_save_ops() -> frozenset:
     return frozenset(ops)
 
 
-def post_optimizer_step(model, parallel_dims=None) -> dict[str, float]:
-    """ModelSpec.post_optimizer_step_fn: the trainer calls it as (model_part, ParallelDims).
+def post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True) -> dict[str, float]:
+    """ModelSpec.post_optimizer_step_fn: the trainer calls it as (model_part, ParallelDims,
+    with_metrics=whether this step is logged).
     Loads are summed over every rank of the pipeline stage ("dp_cp_tp": data ranks route
     different tokens, and so do TP ranks under sequence parallel; without SP the TP ranks
     count the same tokens, a uniform factor the sign-based update ignores), so every
@@ -35,7 +36,7 @@ def post_optimizer_step(model, parallel_dims=None) -> dict[str, float]:
     coeff = getattr(getattr(model, "args", None), "load_balance_coeff", 1e-3)
     group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
     counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
-    return expert_load_metrics(moe_layer_ids(model), counts)
+    return expert_load_metrics(moe_layer_ids(model), counts) if with_metrics else {}
 
 
 def summarize(model, args: DeepSeekV3Args, seq_len: int) -> dict[str, float]:

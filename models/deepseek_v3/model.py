@@ -20,9 +20,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from models.common.attention import SDPA
 from models.common.decoder import DecoderLM, FeedForward
+from models.common.init import trunc_normal_
 from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
@@ -89,6 +90,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.sdpa = SDPA(scale=self.softmax_scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -104,24 +106,14 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        # SDPA accepts a v head dim different from the q/k head dim, but on CPU only the math
-        # backend does (an [S, S] score matrix, ~2.5x slower): there, zero-pad v to the q/k
-        # head dim so that the fused flash kernel runs, and drop the padded output channels.
-        # CUDA picks cuDNN / memory-efficient attention, which take the unequal dims as they are.
-        pad = self.qk_head_dim - self.v_head_dim if x.device.type == "cpu" else 0
-        if pad > 0:
-            v = F.pad(v, (0, pad))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=self.softmax_scale)
-        if pad > 0:
-            out = out[..., : self.v_head_dim]
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
         lins = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
         for lin in lins + [self.wkv_a, self.wkv_b]:
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
         if self.q_lora_rank:
             self.q_norm.reset_parameters()
         self.kv_norm.reset_parameters()
@@ -176,7 +168,8 @@ class DeepSeekV3(DecoderLM):
         for layer in (self.mtp.values() if self.mtp is not None else ()):
             layer.init_weights()
 
-    def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, mtp_labels: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, positions: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None):
         """As DecoderLM.forward; with MTP and `mtp_labels` (training), the logits of the main
         head and of every MTP depth, concatenated on the batch dim: [(1 + D) * B, S, V].
 
@@ -184,14 +177,14 @@ class DeepSeekV3(DecoderLM):
         the last returns (hidden, *MTP embeddings), and takes them as `tokens, *carried`."""
         depth = self.args.mtp_depth
         if depth == 0 or mtp_labels is None:
-            return super().forward(tokens)
+            return super().forward(tokens, positions)
         if self.tok_embeddings is not None:
             # One embedding call for the inputs and the MTP tokens: [(1 + D) * B, S, dim].
             embedded = self.tok_embeddings(torch.cat([tokens, mtp_embedding_ids(mtp_labels, depth)], dim=0))
             h, *carried = embedded.split(tokens.shape[0], dim=0)
         else:
             h = tokens
-        rope = self.rope_cache[: h.shape[1]]
+        rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
         for block in self.layers.values():
             h = block(h, rope)
         if self.output is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 
 IGNORE_INDEX = -100
@@ -74,7 +75,7 @@ class MTPLayer(nn.Module):
     def init_weights(self) -> None:
         for norm in (self.enorm, self.hnorm, self.norm):
             norm.reset_parameters()
-        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
         self.block.init_weights()
 
 

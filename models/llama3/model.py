@@ -10,9 +10,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from models.common.attention import SDPA
 from models.common.decoder import DecoderLM, FeedForward
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, llama3_inv_freq, rope_cos_sin
 from models.llama3.args import Llama3Args
@@ -26,6 +27,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa = SDPA()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -34,17 +36,13 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
 
 
 class TransformerBlock(nn.Module):

@@ -1,0 +1,31 @@
+"""Weight-init helpers whose random draws all land in the tensor being initialised.
+
+`torch.nn.init.trunc_normal_` (torch 2.13) resamples rejected values into temporary
+tensors, drawn from the global RNG. Layout-independent init
+(parallelisms/param_init.py) gives each parameter its own random stream by following
+the random ops applied *to that parameter*, so draws into temporaries would escape it
+and make the result depend on the layout (and on the RNG state). The inverse-CDF
+method below draws exactly one uniform value per element, in place, then transforms
+it elementwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+@torch.no_grad()
+def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
+                  b: float = 2.0) -> torch.Tensor:
+    """Fills `tensor` from N(mean, std^2) truncated to [a, b] (absolute bounds, like torch's)."""
+    def norm_cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    lo, hi = norm_cdf((a - mean) / std), norm_cdf((b - mean) / std)
+    tensor.uniform_(2 * lo - 1, 2 * hi - 1)
+    tensor.erfinv_()
+    tensor.mul_(std * math.sqrt(2.0))
+    tensor.add_(mean)
+    return tensor.clamp_(min=a, max=b)
