@@ -1,6 +1,6 @@
-"""DeepSeek V3 multi-token prediction (models/deepseek_v3/mtp.py, trainer/loss.py TokenLoss).
+"""DeepSeek V3 multi-token prediction (models/deepseek_v3/mtp.py).
 
-1. The training loss with MTP against an independent computation: the MTP chain run on
+1. The training loss with MTP (trainer/loss.py TokenNormalizedLoss) against an independent computation: the MTP chain run on
    truncated windows (depth k sees only the positions whose target t_{i+k+1} exists,
    exact under causal attention) instead of the model's rolled, masked full windows;
    loss value and gradients must agree.
@@ -56,15 +56,16 @@ def _reference_loss(model, window: torch.Tensor) -> torch.Tensor:
 
 
 def test_mtp_loss_matches_an_independent_computation():
-    from trainer.loss import TokenLoss
+    from trainer.loss import TokenNormalizedLoss, count_tokens
 
     model = _model()
     window = torch.randint(0, 512, (3, 17), generator=torch.Generator().manual_seed(1))
     inputs, labels = window[:, :-1], window[:, 1:]
-    loss_fn = TokenLoss(DEPTH, WEIGHT)
-    counts = loss_fn.start_step([(inputs, labels)])
+    loss_fn = TokenNormalizedLoss(mtp_depth=DEPTH, mtp_weight=WEIGHT)
+    counts = count_tokens(labels, DEPTH)
     assert counts.tolist() == [48.0, 45.0, 42.0]  # 3 x 16 positions, minus k per row at depth k
-    ours = loss_fn(model(inputs, mtp_labels=labels), labels)
+    with loss_fn.normalized_by(counts):
+        ours = loss_fn(model(inputs, mtp_labels=labels), labels)
     ours.backward()
     ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
