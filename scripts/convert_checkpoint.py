@@ -30,15 +30,12 @@ sys.path.insert(0, REPO_ROOT)
 import torch  # noqa: E402
 
 from models.hf_config import HFConfigError  # noqa: E402
-from trainer.hf_io import (  # noqa: E402
-    DTYPES,
+from trainer.hf_io import DTYPES, load_hf_state_dict, matching_flavors, save_hf_state_dict  # noqa: E402
+from trainer.offline_convert import (  # noqa: E402
     copy_tokenizer_files,
     dcp_model_shapes,
     infer_model_from_shapes,
     load_dcp_model_state_dict,
-    load_hf_state_dict,
-    matching_flavors,
-    save_hf_state_dict,
 )
 
 

@@ -34,8 +34,8 @@ from models.hf_config import HFConfigError  # noqa: E402
 def load_model(checkpoint: str | None, model: str | None = None, flavor: str | None = None,
                device: str = "cpu", hf_path: str | None = None) -> torch.nn.Module:
     """Our model with the weights of an HF folder or a DCP step folder, in eval mode."""
-    from trainer.hf_io import args_from_hf_folder, dcp_model_shapes, infer_model_from_shapes, \
-        load_dcp_model_state_dict, load_hf_into_model
+    from trainer.hf_io import args_from_hf_folder, load_hf_into_model
+    from trainer.offline_convert import dcp_model_shapes, infer_model_from_shapes, load_dcp_model_state_dict
 
     path = Path(checkpoint or hf_path)
     if (path / "config.json").is_file():

@@ -142,14 +142,19 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
         n_group=4 if q_lora else 1, topk_group=2 if q_lora else 1, norm_topk_prob=q_lora,
         routed_scaling_factor=2.5 if q_lora else 1.0, n_shared_experts=1 if q_lora else 2,
         rope_theta=10000.0, rope_scaling=scaling, num_nextn_predict_layers=0)
+    folder = _save_random_deepseek(DeepseekV3ForCausalLM, cfg, folder, seed, legacy)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab, bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")
+    return folder
+
+
+def _save_random_deepseek(model_cls, cfg, folder: Path, seed: int, legacy: bool) -> Path:
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
+    model = model_cls(cfg)
     _make_weights_matter(model, ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"), seed)
     model.save_pretrained(folder)
     if legacy:
         _legacy_rope(folder)
-    if tokenizer:
-        build_hf_tokenizer(folder, vocab, bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")
     return folder
 
 
@@ -169,13 +174,7 @@ def build_hf_deepseek_v2(folder: Path, *, grouped: bool = False, legacy: bool = 
         topk_method="group_limited_greedy" if grouped else "greedy", n_group=4 if grouped else None,
         topk_group=2 if grouped else None, routed_scaling_factor=1.5, n_shared_experts=2, norm_topk_prob=False,
         rope_theta=10000.0, rope_scaling=scaling)
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(cfg)
-    _make_weights_matter(model, ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"), seed)
-    model.save_pretrained(folder)
-    if legacy:
-        _legacy_rope(folder)
-    return folder
+    return _save_random_deepseek(DeepseekV2ForCausalLM, cfg, folder, seed, legacy)
 
 
 def add_hf_mtp_layers(folder: Path, depth: int = 1, seed: int = 5) -> Path:
@@ -631,3 +630,19 @@ def test_fp8_block_quantized_import(block, hf_dirs, tmp_path):
     tokens = tokens_for(256)
     with torch.no_grad():
         assert torch.equal(our_model_from_hf(fp8)(tokens), our_model_from_hf(twin)(tokens))
+
+
+def test_softmax_model_exports_as_deepseek_v2_only_with_its_bias_at_zero(hf_dirs, tmp_path):
+    """A softmax-routed model (the 16B flavor's routing) exports as HF deepseek_v2; a routing
+    bias that moved (aux-loss-free balancing) has no place there: one line, nothing written."""
+    src = hf_dirs["deepseek_v2_greedy"]
+    spec, args, sd = load_hf_state_dict(src)
+    assert args.score_func == "softmax" and all(not v.any() for k, v in sd.items() if k.endswith("expert_bias"))
+    save_hf_state_dict(sd, spec, args, tmp_path / "ok")
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["model_type"] == "deepseek_v2"
+    sd["layers.1.moe.expert_bias"] = sd["layers.1.moe.expert_bias"] + 1e-3
+    with pytest.raises(HFConfigError) as e:
+        save_hf_state_dict(sd, spec, args, tmp_path / "moved")
+    msg = str(e.value)
+    assert "\n" not in msg and "layers.1.moe.expert_bias" in msg and "--moe.bias_update_rate 0" in msg
+    assert not (tmp_path / "moved").exists()

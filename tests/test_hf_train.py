@@ -145,6 +145,9 @@ def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path, capsys):
         (["--model.hf_path", llama, "--moe.bias_update_rate", "0"], ["moe.bias_update_rate", "no mixture"]),
         (["--model.hf_path", deepseek, "--checkpoint.initial_load_path", str(tmp_path)],
          ["checkpoint.initial_load_path", "checkpoint.enable"]),
+        # The 16B flavor routes with softmax: HF's deepseek_v2, which has no routing bias to train.
+        (["--model.name", "deepseek_v3", "--model.flavor", "16B", "--checkpoint.last_save_in_hf", "true"],
+         ["checkpoint.last_save_in_hf", "deepseek_v2", "--moe.bias_update_rate 0"]),
     ]
     for args, needles in cases:
         with pytest.raises(ConfigError) as e:

@@ -57,6 +57,20 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def layout_grads(layouts: dict[str, list[str]], tmp_path) -> dict[str, dict[str, torch.Tensor]]:
+    """Runs one step of every layout (name -> CLI args) in one 2-rank torchrun launch
+    (tests/parallel_worker.py); returns each layout's full gradients by parameter name."""
+    cases = [{"name": name, "args": args} for name, args in layouts.items()]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.parallel_worker", timeout=580)
+    out = {}
+    for name in layouts:
+        out[name] = {}
+        for stage in sorted((tmp_path / "out").glob(f"{name}.stage*.pt")):
+            out[name].update(torch.load(stage, weights_only=False)["grads"])
+    return out
+
+
 def _router_keys(grads: dict) -> list[str]:
     return [k for k in grads if k.endswith("router.gate.weight")]
 
@@ -95,14 +109,8 @@ def test_aux_loss_gradient_is_layout_invariant(ds_folder, tmp_path):
     """1 rank vs FSDP 2, TP 2 (sequence parallel), PP 2 and EP 2, one torchrun launch."""
     _, trainer = run_in_process(_args(ds_folder, tmp_path / "ref", 4))
     ref = _grads(trainer)
-    cases = [{"name": name, "args": _args(ds_folder, tmp_path / name, local, extra=extra)}
-             for name, (local, extra) in LAYOUTS.items()]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.parallel_worker", timeout=580)
-    for name in LAYOUTS:
-        grads = {}
-        for stage in sorted((tmp_path / "out").glob(f"{name}.stage*.pt")):
-            grads.update(torch.load(stage, weights_only=False)["grads"])
+    layouts = {name: _args(ds_folder, tmp_path / name, local, extra=extra) for name, (local, extra) in LAYOUTS.items()}
+    for name, grads in layout_grads(layouts, tmp_path).items():
         diff = _max_diff(grads, ref)
         print(f"{name}: max |grad - 1 rank| {diff:.2g}")
         assert diff < TOL, name

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_in_process, torchrun
+from tests.helpers import run_in_process
 
 DEPTH, WEIGHT = 2, 0.3
 
@@ -96,7 +96,7 @@ LAYOUTS = {
 def test_mtp_training_is_layout_invariant(tmp_path):
     pytest.importorskip("transformers")
     from tests.test_hf_models import add_hf_mtp_layers, build_hf_deepseek
-    from tests.test_moe_balance import _grads, _max_diff
+    from tests.test_moe_balance import _grads, _max_diff, layout_grads
 
     folder = add_hf_mtp_layers(build_hf_deepseek(tmp_path / "ds", vocab=2048, tokenizer=True))
 
@@ -111,13 +111,8 @@ def test_mtp_training_is_layout_invariant(tmp_path):
     ref = _grads(trainer)
     assert any(k.startswith("mtp.0.") and ref[k].abs().max() > 0 for k in ref)
     ref_mtp = json.loads((tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()[0])["mtp_loss"]
-    cases = [{"name": name, "args": args(tmp_path / name, local, extra)} for name, (local, extra) in LAYOUTS.items()]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.parallel_worker", timeout=580)
-    for name in LAYOUTS:
-        grads = {}
-        for stage in sorted((tmp_path / "out").glob(f"{name}.stage*.pt")):
-            grads.update(torch.load(stage, weights_only=False)["grads"])
+    layouts = {name: args(tmp_path / name, local, extra) for name, (local, extra) in LAYOUTS.items()}
+    for name, grads in layout_grads(layouts, tmp_path).items():
         mtp_loss = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["mtp_loss"]
         diff = _max_diff(grads, ref)
         print(f"{name}: max |grad - 1 rank| {diff:.2g}, mtp_loss {mtp_loss:.6f} vs {ref_mtp:.6f}")

@@ -11,13 +11,20 @@ placements, which slices locally without communication. We do not use DCP's Hugg
 our recipes (interleaved-RoPE row permutations, per-expert HF tensors stacked into
 grouped [E, in, out] tensors) are not 1:1 renames, and applying them region by
 region gives the same "read only your shard" property without HF-shaped DTensors.
+FP8 block-quantized weights (DeepSeek V3 on the Hub) are dequantized by `HFReader`,
+region by region too. `load_hf_weights` is the trainer's entry for `--model.hf_path`.
 
 Export (`save_hf`): parameters are gathered one at a time (`full_tensor()`, a
 collective on the parameter's mesh), converted by the recipes, cast to the export
 dtype and written by one rank per distinct set of keys (one per pipeline stage)
 into safetensors shards of bounded size; rank 0 then names the shards
 model-0000k-of-0000N.safetensors (or model.safetensors), writes the index and
-config.json. The result loads with transformers' AutoModelForCausalLM.
+config.json. Before any collective every rank checks that the format can hold what
+it has (DeepSeek V2: no routing bias) and all agree, so a refusal cannot hang the
+others. The result loads with transformers' AutoModelForCausalLM.
+
+One-process helpers for the offline scripts (DCP folders, models from shapes) are in
+trainer/offline_convert.py.
 """
 
 from __future__ import annotations
@@ -259,13 +266,22 @@ def load_hf_weights(model_parts: list[torch.nn.Module], folder: str | Path) -> N
         raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
 
 
+def with_mtp_depth(args, depth: int):
+    """`args` with `depth` MTP modules (unchanged for a model without multi-token prediction)."""
+    import dataclasses
+
+    if depth and "mtp_depth" in {f.name for f in dataclasses.fields(args)}:
+        return dataclasses.replace(args, mtp_depth=depth)
+    return args
+
+
 def load_hf_state_dict(folder: str | Path, mtp_depth: int = 0) -> tuple[Any, Any, dict[str, torch.Tensor]]:
     """(spec, args, native state dict of whole tensors) of an HF folder (one process), with
     its first `mtp_depth` multi-token-prediction layers."""
     folder = Path(folder)
     hf_cfg = read_hf_config(folder)
     spec = spec_for_hf_config(hf_cfg)
-    args = _with_mtp(spec.state_dict_adapter.args_from_hf(hf_cfg), mtp_depth)
+    args = with_mtp_depth(spec.state_dict_adapter.args_from_hf(hf_cfg), mtp_depth)
     stored = spec.state_dict_adapter.hf_mtp_layers(hf_cfg)
     if mtp_depth > stored:
         raise HFConfigError(f"hf error: {folder} holds {stored} multi-token-prediction layer(s), not {mtp_depth}")
@@ -409,99 +425,3 @@ def save_hf_state_dict(sd: dict[str, torch.Tensor], spec, args, folder: str | Pa
     config = adapter.hf_config(dtype)
     _prepare_folder(folder)
     _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes, config)
-
-
-# --------------------------------------------------------------------------- DCP (scripts)
-
-
-def dcp_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Native key -> shape of the model weights in a DCP checkpoint folder (step-N)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise HFConfigError(f"hf error: {path} is not a DCP checkpoint folder (no .metadata)")
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-
-
-def load_dcp_model_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model weights of a DCP checkpoint (full or model-only) as whole tensors, in one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    dcp_model_shapes(path)  # raises on a non-DCP folder
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    sd = {k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    return sd
-
-
-def mtp_depth_of(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Multi-token-prediction modules (`mtp.{k}.*` keys) in a native state dict."""
-    return len({k.split(".")[1] for k in shapes if k.startswith("mtp.")})
-
-
-def _with_mtp(args, depth: int):
-    import dataclasses
-
-    if depth and "mtp_depth" in {f.name for f in dataclasses.fields(args)}:
-        return dataclasses.replace(args, mtp_depth=depth)
-    return args
-
-
-def infer_model_from_shapes(shapes: dict[str, tuple[int, ...]], model: str | None = None,
-                            flavor: str | None = None, hf_path: str | Path | None = None):
-    """(spec, flavor name or None, args) whose model has exactly these weight shapes (MTP
-    modules included); with `model` / `flavor` given, checks them instead; with `hf_path`,
-    the args come from that folder's config.json (a run started from it has no flavor).
-    Raises one line when none or several fit."""
-    from models import MODEL_SPECS, get_model_spec
-
-    depth = mtp_depth_of(shapes)
-    if hf_path is not None:
-        spec, args = args_from_hf_folder(hf_path)
-        args = _with_mtp(args, depth)
-        if spec.state_dict_adapter.for_args(args).native_shapes() != shapes:
-            raise HFConfigError(f"hf error: the checkpoint's weight shapes are not those of the {spec.name} model in "
-                                f"{hf_path}/config.json; pass the HF folder the run started from")
-        return spec, None, args
-    specs = [get_model_spec(model)] if model else [s for s in MODEL_SPECS.values() if s.state_dict_adapter]
-    fits = []
-    for spec in specs:
-        for name, args in spec.flavors.items():
-            if flavor and name != flavor:
-                continue
-            args = _with_mtp(args, depth)
-            if spec.state_dict_adapter.for_args(args).native_shapes() == shapes:
-                fits.append((spec, name, args))
-    if len(fits) == 1:
-        return fits[0]
-    if not fits:
-        wanted = f"{model or '?'} / {flavor or '?'}"
-        raise HFConfigError(f"hf error: no model flavor ({wanted}) has the checkpoint's {len(shapes)} weight "
-                            "shapes; pass --model and --flavor of the run that wrote it, or --model.hf_path of the HF "
-                            "folder it started from")
-    raise HFConfigError(f"hf error: several flavors fit the checkpoint's shapes "
-                        f"({[f'{s.name}/{n}' for s, n, _ in fits]}); pass --model and --flavor")
-
-
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                      "tokenizer.model")
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copies an HF folder's tokenizer files (and generation_config.json) into an export,
-    so that the export is a complete model folder; returns the names copied."""
-    copied = []
-    for name in HF_TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
