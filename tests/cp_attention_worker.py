@@ -1,0 +1,102 @@
+"""CP attention vs full attention, on real gloo ranks (one torchrun launch, many cases).
+
+    python -m torch.distributed.run --nproc-per-node N tests/cp_attention_worker.py CASES.json OUT_DIR
+
+Each case {"name", "method", "hq", "hkv", "dk", "dv", "seq", "scale", "ac"} builds the same
+random q, k, v on every rank, runs causal attention on the full sequence (the
+reference) and the CP version on this rank's head-tail shard, and rank 0 writes
+OUT_DIR/<name>.json with the max relative error of the output and of dq, dk, dv
+(unsharded from every rank), and the CP collectives counted in forward and backward.
+`ac` = "op" runs the CP attention under the op-level SAC policy with the CP ops in
+its save set, "full" under full recompute, "none" plain.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class CausalSDPA(nn.Module):
+    """Stand-in for models.common.attention.SDPA (same call convention)."""
+
+    def __init__(self, scale=None):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_case(case: dict, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+
+    from parallelisms.activation_checkpoint import op_sac_context_fn
+    from parallelisms.context_parallel import ContextParallelAttention
+    from parallelisms.context_parallel_comm import CP_SAVE_OPS, comm_recorder, shard_sequence, unshard_sequence
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(1234)
+    b, s = 2, case["seq"]
+    q = torch.randn(b, case["hq"], s, case["dk"], generator=gen, dtype=torch.float64)
+    k = torch.randn(b, case["hkv"], s, case["dk"], generator=gen, dtype=torch.float64)
+    v = torch.randn(b, case["hkv"], s, case["dv"], generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(b, case["hq"], s, case["dv"], generator=gen, dtype=torch.float64)
+    inner = CausalSDPA(case.get("scale"))
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = inner(*ref)
+    ref_out.backward(grad_out)
+
+    local = [shard_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    attention = ContextParallelAttention(inner, mesh, case["method"])
+    ac = case.get("ac", "none")
+    with comm_recorder() as fwd:
+        if ac == "none":
+            out_local = attention(*local)
+        else:
+            ctx = op_sac_context_fn(extra_save_ops=CP_SAVE_OPS) if ac == "op" else None
+            kwargs = {"context_fn": ctx} if ctx is not None else {}
+            out_local = checkpoint(attention, *local, use_reentrant=False, **kwargs)
+    with comm_recorder() as bwd:
+        out_local.backward(shard_sequence(grad_out, cp, rank, dim=2))
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(cp)]
+        dist.all_gather(parts, t.contiguous())
+        return unshard_sequence(parts, dim=2)
+
+    result = {"out": rel(gather(out_local.detach()), ref_out.detach())}
+    for name, r, l in zip("qkv", ref, local):
+        result[f"d{name}"] = rel(gather(l.grad), r.grad)
+    result["fwd_calls"] = fwd.count()
+    result["bwd_calls"] = {n: bwd.count(n) for n in ("all_gather", "reduce_scatter", "all_to_all")}
+    result["fwd_wire_bytes"] = fwd.wire_bytes()
+    if rank == 0:
+        (out / f"{case['name']}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+def main() -> int:
+    from tests.helpers import run_worker_cases
+
+    return run_worker_cases(run_case, "CP_WORKER_ONLY", timeout_s=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Context parallelism, unit level: the load-balanced layout, layout checks, and the CP
+attention (allgather, alltoall) against full causal attention on real gloo ranks.
+
+Attention cases run in fp64 (tolerance 1e-10) as cases of one torchrun launch per CP
+degree (tests/cp_attention_worker.py). Training parity with a 1-process run is in
+tests/test_context_parallel_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parallelisms.context_parallel import check_context_parallel_layout, kv_repeat_for_alltoall
+from parallelisms.context_parallel_comm import (
+    local_positions, natural_order, rank_order, reorder_chunks, shard_sequence, unshard_sequence)
+from tests.helpers import REPO, torchrun
+from trainer.configurable import ConfigError
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_head_tail_layout(cp):
+    seq = 2 * cp * 3
+    x = torch.arange(seq).view(1, seq)
+    shards = [shard_sequence(x, cp, r) for r in range(cp)]
+    for r, s in enumerate(shards):
+        c = seq // (2 * cp)
+        assert s[0].tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+        assert torch.equal(s[0], local_positions(seq, cp, r))
+    assert torch.equal(unshard_sequence(shards), x)
+    # every rank does the same causal work: sum over its positions of (position + 1)
+    work = {int((local_positions(seq, cp, r) + 1).sum()) for r in range(cp)}
+    assert len(work) == 1
+    rank_ordered = torch.cat(shards, dim=1)
+    assert torch.equal(reorder_chunks(rank_ordered, natural_order(cp), dim=1), x)
+    assert torch.equal(reorder_chunks(x, rank_order(cp), dim=1), rank_ordered)
+
+
+class _Args:
+    def __init__(self, n_heads, n_kv_heads=None):
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+
+
+def test_layout_checks():
+    check_context_parallel_layout(_Args(4, 2), cp=2, tp=1, method="allgather", seq_len=64, sequence_parallel=False)
+    with pytest.raises(ConfigError, match=r"training.seq_len: 60 is not divisible by 2 x context_parallel_degree = 8"):
+        check_context_parallel_layout(_Args(4), cp=4, tp=1, method="allgather", seq_len=60, sequence_parallel=False)
+    with pytest.raises(ConfigError, match=r"seq_len / cp = 12 is not divisible by tensor_parallel_degree 8"):
+        check_context_parallel_layout(_Args(8), cp=2, tp=8, method="allgather", seq_len=24, sequence_parallel=True)
+    # 4 heads / tp 2 = 2 local heads: alltoall over cp 4 cannot split them; allgather can
+    with pytest.raises(ConfigError, match=r"alltoall splits the 2 local attention heads .*degree 4"):
+        check_context_parallel_layout(_Args(4, 2), cp=4, tp=2, method="alltoall", seq_len=64, sequence_parallel=True)
+    check_context_parallel_layout(_Args(4, 2), cp=4, tp=2, method="allgather", seq_len=64, sequence_parallel=True)
+
+
+def test_kv_repeat_for_alltoall():
+    assert kv_repeat_for_alltoall(32, 8, 4) == 1
+    assert kv_repeat_for_alltoall(4, 2, 4) == 2  # debug_small at cp 4: KV heads doubled, not quadrupled
+    assert kv_repeat_for_alltoall(32, 1, 8) == 8
+    assert kv_repeat_for_alltoall(6, 3, 4) is None  # 6 q heads do not split over 4
+    assert kv_repeat_for_alltoall(8, 2, 8) == 4
+
+
+# name -> case. hq/hkv: GQA (4/2), MHA (4/4), MLA-like (dk 24 != dv 16, explicit scale).
+def _cases(cp: int) -> list[dict]:
+    seq = 2 * cp * 3  # an odd number of tokens per chunk
+    base = {"seq": seq, "dk": 16, "dv": 16, "hq": 4, "hkv": 2}
+    cases = []
+    for method in ("allgather", "alltoall"):
+        cases += [
+            {**base, "name": f"{method}_gqa", "method": method},
+            {**base, "name": f"{method}_mha", "method": method, "hkv": 4},
+            {**base, "name": f"{method}_mla", "method": method, "hkv": 4, "dk": 24, "dv": 16, "scale": 0.3},
+            {**base, "name": f"{method}_gqa_ac_op", "method": method, "ac": "op"},
+            {**base, "name": f"{method}_gqa_ac_full", "method": method, "ac": "full"},
+        ]
+    return cases
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_matches_full_attention(cp, tmp_path):
+    cases = _cases(cp)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    torchrun(cp, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.cp_attention_worker",
+             timeout=240)
+    for case in cases:
+        r = json.loads((tmp_path / "out" / f"{case['name']}.json").read_text())
+        for key in ("out", "dq", "dk", "dv"):
+            assert r[key] < 1e-10, (case["name"], key, r)
+        # allgather: one gather forward (K and V packed), one reduce-scatter backward;
+        # alltoall: two all-to-alls each way (q/k/v packed in, output out).
+        fwd = {"allgather": 1, "alltoall": 2}[case["method"]]
+        assert r["fwd_calls"] == fwd, (case["name"], r)
+        bwd = r["bwd_calls"]
+        # Full AC re-runs the gather / the first all-to-all (the recompute stops early, before the
+        # output all-to-all, whose backward needs nothing saved); op SAC saved them: no collective.
+        recomputed = 1 if case.get("ac") == "full" else 0
+        if case["method"] == "allgather":
+            assert bwd == {"all_gather": recomputed, "reduce_scatter": 1, "all_to_all": 0}, (case["name"], bwd)
+        else:
+            assert bwd == {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 2 + recomputed}, (case["name"], bwd)
+        b, c = 2, case["seq"] // (2 * cp)
+        if case["method"] == "allgather":  # K and V of every token, fp64, (cp-1)/cp of it from peers
+            expect = b * case["hkv"] * case["seq"] * (case["dk"] + case["dv"]) * 8 * (cp - 1) / cp
+        else:  # local q, k, v (KV repeated to divide) in, local output back
+            hkv = case["hkv"] * kv_repeat_for_alltoall(case["hq"], case["hkv"], cp)
+            local = b * 2 * c
+            expect = local * (case["hq"] * case["dk"] + hkv * (case["dk"] + case["dv"]) + case["hq"] * case["dv"]) \
+                * 8 * (cp - 1) / cp
+        assert r["fwd_wire_bytes"] == pytest.approx(expect), case["name"]
