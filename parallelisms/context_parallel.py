@@ -100,13 +100,21 @@ def lower_right_causal(q_len: int, k_len: int):
 
 def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Causal attention of the last q.shape[2] positions of a prefix over all k.shape[2]
-    keys of it (mask aligned to the lower right). GQA: k/v may have fewer heads."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(q.shape[2], k.shape[2]),
-                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    keys of it (mask aligned to the lower right). GQA: k/v may have fewer heads. As in
+    `SDPA`, a narrower v (MLA) is zero-padded to the q/k head dim for the fused kernels."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad > 0:
+        v = F.pad(v, (0, pad))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(q.shape[2], k.shape[2]),
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[..., : out.shape[-1] - pad] if pad > 0 else out
 
 
 class ContextParallelAttention(nn.Module):
-    """`sdpa(q, k, v)` over a CP-sharded sequence; see the module docstring."""
+    """`sdpa(q, k, v)` over a CP-sharded sequence; see the module docstring.
+
+    With allgather, k and v may arrive already gathered (k.shape[2] == cp * q.shape[2]):
+    MLA's latent was gathered by `SequenceGather` at `attention.kv_latent`."""
 
     def __init__(self, inner: nn.Module, cp_mesh, method: str):
         super().__init__()
@@ -123,29 +131,29 @@ class ContextParallelAttention(nn.Module):
         return getattr(self.inner, "scale", None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.method == "allgather":
-            return self._allgather(q, k, v)
-        return self._alltoall(q, k, v)
+        if self.method == "alltoall":
+            return self._alltoall(q, k, v)
+        if k.shape[2] == q.shape[2]:
+            dk = k.shape[-1]
+            # One buffer for K and V: [B, Hkv, S_local, Dk + Dv] -> [B, Hkv, S, Dk + Dv], sequence order.
+            kv = gather_sequence(torch.cat([k, v], dim=-1), self.group_name, self.cp, dim=2)
+            k, v = kv.split([dk, kv.shape[-1] - dk], dim=-1)
+        elif k.shape[2] != self.cp * q.shape[2]:
+            raise ValueError(f"CP attention: {k.shape[2]} keys for {q.shape[2]} local queries at cp {self.cp}")
+        return self.attend_gathered(q, k, v)
 
-    # ---- allgather ----
-    def _allgather(self, q, k, v):
+    def attend_gathered(self, q, k, v):
+        """Each of the rank's two query chunks [B, Hq, c, D] against its key prefix of the
+        gathered k, v [B, Hkv, S, D(v)]."""
         c = q.shape[2] // 2
-        dk = k.shape[-1]
-        # One buffer for K and V: [B, Hkv, S_local, Dk + Dv] -> [B, Hkv, S, Dk + Dv], sequence order.
-        kv = gather_sequence(torch.cat([k, v], dim=-1), self.group_name, self.cp, dim=2)
-        return self.attend_gathered(q, kv, dk, c)
-
-    def attend_gathered(self, q, kv, dk: int, c: int):
-        """Each of the rank's two query chunks [B, Hq, c, D] against its key prefix of `kv`."""
         outs = []
         for slot, chunk in enumerate(rank_chunks(self.cp, self.rank)):
             end = (chunk + 1) * c
-            keys, values = kv[:, :, :end].split([dk, kv.shape[-1] - dk], dim=-1)
             q_chunk = q[:, :, slot * c:(slot + 1) * c]
             if end == c:  # the first chunk: plain causal, the model's own kernel
-                outs.append(self.inner(q_chunk, keys, values))
+                outs.append(self.inner(q_chunk, k[:, :, :end], v[:, :, :end]))
             else:
-                outs.append(attend_prefix(q_chunk, keys, values, self.scale))
+                outs.append(attend_prefix(q_chunk, k[:, :, :end], v[:, :, :end], self.scale))
         return torch.cat(outs, dim=2)
 
     # ---- alltoall (Ulysses) ----
@@ -206,22 +214,41 @@ class _PositionsHook:
         return args, {**kwargs, "positions": self._cache[key]}
 
 
-def sdpa_module_names(model: nn.Module) -> list[str]:
-    from models.common.attention import SDPA
+class SequenceGather(nn.Module):
+    """[B, S_local, ...] -> [B, S, ...] in sequence order over the CP group; backward
+    reduce-scatters. Installed at MLA's `kv_latent` hook point (allgather method)."""
 
-    return [name for name, m in model.named_modules() if isinstance(m, SDPA)]
+    def __init__(self, cp_mesh):
+        super().__init__()
+        self.cp = cp_mesh.size()
+        self.group_name = cp_mesh.get_group().group_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, self.group_name, self.cp, dim=1)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> list[str]:
-    """Swaps every attention core of `model` (one model part) for its CP version and
-    installs the positions hook. Returns the module names replaced."""
-    names = sdpa_module_names(model)
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ContextParallelAttention(getattr(parent, child), cp_mesh, method))
+    """Swaps every attention core (`SDPA`) of `model` (one model part) for its CP version
+    and installs the positions hook; with allgather, MLA's `kv_latent` hook points
+    become `SequenceGather`. Returns the module names replaced."""
+    from models.common.attention import SDPA
+
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SDPA):
+            _replace(model, name, ContextParallelAttention(module, cp_mesh, method))
+        elif name.endswith("attention.kv_latent") and method == "allgather":
+            _replace(model, name, SequenceGather(cp_mesh))
+        else:
+            continue
+        replaced.append(name)
     model.register_forward_pre_hook(_PositionsHook(cp_mesh.size(), cp_mesh.get_local_rank()), with_kwargs=True)
-    return names
+    return replaced
 
 
 def shard_microbatch(inputs: torch.Tensor, labels: torch.Tensor, cp_mesh) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,10 +92,60 @@ def run_case(case: dict, out: Path) -> None:
     dist.barrier()
 
 
+def run_model_case(case: dict, out: Path) -> None:
+    """A whole model (case["model"], case["flavor"]) with the CP plan vs the same model
+    unsharded: loss (token-summed, all-reduced over cp) and every parameter gradient
+    (summed over cp, as FSDP over dp_shard x cp would)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models import MODEL_SPECS
+    from parallelisms.context_parallel import apply_context_parallel, shard_microbatch
+    from parallelisms.context_parallel_comm import comm_recorder
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    spec = MODEL_SPECS[case["model"]]
+    torch.manual_seed(0)
+    ref = spec.model_cls(spec.flavors[case["flavor"]])
+    with torch.no_grad():
+        ref.init_weights(buffer_device=torch.device("cpu"))
+    model = copy.deepcopy(ref)
+    replaced = apply_context_parallel(model, mesh, case["method"])
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 2048, (2, case["seq"] + 1), generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_of(m, x, y):
+        logits = m(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+
+    ref_loss = loss_of(ref, inputs, labels)
+    ref_loss.backward()
+    local_inputs, local_labels = shard_microbatch(inputs, labels, mesh)
+    with comm_recorder() as fwd:
+        loss = loss_of(model, local_inputs, local_labels)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    worst = 0.0
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        worst = max(worst, rel(g, p_ref.grad))
+    result = {"loss": abs(float(total) - float(ref_loss)) / abs(float(ref_loss)), "grad": worst,
+              "replaced": replaced, "fwd_calls": fwd.count(), "fwd_wire_bytes": fwd.wire_bytes()}
+    if rank == 0:
+        (out / f"{case['name']}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
 def main() -> int:
     from tests.helpers import run_worker_cases
 
-    return run_worker_cases(run_case, "CP_WORKER_ONLY", timeout_s=120)
+    return run_worker_cases(lambda case, out: (run_model_case if "model" in case else run_case)(case, out),
+                            "CP_WORKER_ONLY", timeout_s=120)
 
 
 if __name__ == "__main__":

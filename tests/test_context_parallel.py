@@ -111,3 +111,31 @@ def test_cp_attention_matches_full_attention(cp, tmp_path):
             expect = local * (case["hq"] * case["dk"] + hkv * (case["dk"] + case["dv"]) + case["hq"] * case["dv"]) \
                 * 8 * (cp - 1) / cp
         assert r["fwd_wire_bytes"] == pytest.approx(expect), case["name"]
+
+
+# Whole models with the CP plan vs unsharded (fp32): Llama debug_small (GQA 4/2, 3 layers)
+# and DeepSeek V3 debug (MLA: allgather gathers the latent at attention.kv_latent).
+MODEL_CASES = [
+    {"name": f"{model}_{method}", "model": model, "flavor": flavor, "method": method, "seq": 48}
+    for model, flavor in (("llama3", "debug_small"), ("deepseek_v3", "debug")) for method in ("allgather", "alltoall")
+]
+
+
+@pytest.mark.multirank
+def test_cp_plan_on_models_matches_unsharded(tmp_path):
+    cp = 2
+    (tmp_path / "cases.json").write_text(json.dumps(MODEL_CASES))
+    torchrun(cp, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.cp_attention_worker",
+             timeout=240)
+    for case in MODEL_CASES:
+        r = json.loads((tmp_path / "out" / f"{case['name']}.json").read_text())
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, (case["name"], r)
+        n_layers = 3 if case["model"] == "llama3" else 6
+        kinds = {name.rsplit(".", 1)[-1] for name in r["replaced"]}
+        if case["model"] == "deepseek_v3" and case["method"] == "allgather":
+            assert kinds == {"sdpa", "kv_latent"} and len(r["replaced"]) == 2 * n_layers
+            # the latent of every token: kv_lora_rank 64 + rope 16 fp32 values, (cp-1)/cp from peers
+            assert r["fwd_wire_bytes"] == pytest.approx(n_layers * 2 * 48 * (64 + 16) * 4 / 2)
+        else:
+            assert kinds == {"sdpa"} and len(r["replaced"]) == n_layers
+        assert r["fwd_calls"] == n_layers * (1 if case["method"] == "allgather" else 2)
