@@ -87,26 +87,57 @@ def check_context_parallel_layout(model_args, *, cp: int, tp: int, method: str, 
 # Attention
 # ---------------------------------------------------------------------------
 
-def lower_right_causal(q_len: int, k_len: int):
-    """A `CausalBias` (never materialised on CUDA's flash / efficient kernels) that lets
-    query i see keys up to i + k_len - q_len. Built with dispatch modes off: under the
-    op-level SAC mode, creating the tensor subclass fails."""
-    from torch.nn.attention.bias import causal_lower_right
+_CPU_MASKS: dict = {}
+
+
+def lower_right_mask(q_len: int, k_len: int, dtype: torch.dtype, device: torch.device):
+    """The mask that lets query i see keys up to i + k_len - q_len.
+
+    Off CPU: a `CausalBias`, which CUDA's flash / memory-efficient kernels apply without
+    materialising anything. On CPU the fused kernel needs a real additive mask (and keeps
+    it for backward): one is built per shape, dtype and device and shared by every layer
+    and step, so it costs q_len x k_len elements once, not per layer. Built with dispatch
+    modes off, so that op-level SAC never sees it (creating the tensor subclass under its
+    mode fails, and a cache hit must not change the ops the recompute replays)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return causal_lower_right(q_len, k_len)
+        if device.type != "cpu":
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(q_len, k_len)
+        key = (q_len, k_len, dtype, device)
+        if key not in _CPU_MASKS:
+            if len(_CPU_MASKS) > 64:
+                _CPU_MASKS.clear()
+            visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+            _CPU_MASKS[key] = torch.zeros(q_len, k_len, dtype=dtype, device=device).masked_fill(
+                ~visible, float("-inf"))
+        return _CPU_MASKS[key]
 
 
-def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                  memory_probe: bool = False) -> torch.Tensor:
     """Causal attention of the last q.shape[2] positions of a prefix over all k.shape[2]
     keys of it (mask aligned to the lower right). GQA: k/v may have fewer heads. As in
-    `SDPA`, a narrower v (MLA) is zero-padded to the q/k head dim for the fused kernels."""
+    `SDPA`, a narrower v (MLA) is zero-padded to the q/k head dim for the fused kernels.
+
+    `memory_probe` (the memory estimator, on fake tensors only): a top-left causal call
+    instead, which keeps for backward exactly what CUDA's mask-free lower-right kernel
+    keeps (q, k, v, out, logsumexp), without the CPU mask; its values are not used."""
     pad = q.shape[-1] - v.shape[-1]
     if pad > 0:
         v = F.pad(v, (0, pad))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(q.shape[2], k.shape[2]),
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if memory_probe:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(q, FakeTensor):
+            raise RuntimeError("memory_probe attention gives wrong values: use it on fake tensors only")
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = lower_right_mask(q.shape[2], k.shape[2], q.dtype, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[..., : out.shape[-1] - pad] if pad > 0 else out
 
 
@@ -114,7 +145,10 @@ class ContextParallelAttention(nn.Module):
     """`sdpa(q, k, v)` over a CP-sharded sequence; see the module docstring.
 
     With allgather, k and v may arrive already gathered (k.shape[2] == cp * q.shape[2]):
-    MLA's latent was gathered by `SequenceGather` at `attention.kv_latent`."""
+    MLA's latent was gathered by `SequenceGather` at `attention.kv_latent`.
+    `memory_probe` is set by the memory estimator only (see `attend_prefix`)."""
+
+    memory_probe = False
 
     def __init__(self, inner: nn.Module, cp_mesh, method: str):
         super().__init__()
@@ -153,7 +187,7 @@ class ContextParallelAttention(nn.Module):
             if end == c:  # the first chunk: plain causal, the model's own kernel
                 outs.append(self.inner(q_chunk, k[:, :, :end], v[:, :, :end]))
             else:
-                outs.append(attend_prefix(q_chunk, k[:, :, :end], v[:, :, :end], self.scale))
+                outs.append(attend_prefix(q_chunk, k[:, :, :end], v[:, :, :end], self.scale, self.memory_probe))
         return torch.cat(outs, dim=2)
 
     # ---- alltoall (Ulysses) ----

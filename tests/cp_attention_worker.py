@@ -113,6 +113,13 @@ def run_model_case(case: dict, out: Path) -> None:
         ref.init_weights(buffer_device=torch.device("cpu"))
     model = copy.deepcopy(ref)
     replaced = apply_context_parallel(model, mesh, case["method"])
+    if case.get("ac", "none") != "none":  # as the trainer does: the spec's save ops plus CP's
+        from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
+        from parallelisms.context_parallel import CP_SAVE_OPS
+
+        apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=case["ac"]),
+                                       extra_save_ops=spec.sac_save_ops | CP_SAVE_OPS,
+                                       force_recompute_fqns=tuple(spec.sac_force_recompute_fqns))
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 2048, (2, case["seq"] + 1), generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -126,16 +133,19 @@ def run_model_case(case: dict, out: Path) -> None:
     local_inputs, local_labels = shard_microbatch(inputs, labels, mesh)
     with comm_recorder() as fwd:
         loss = loss_of(model, local_inputs, local_labels)
-    loss.backward()
+    with comm_recorder() as bwd:
+        loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
     worst = 0.0
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+    for (name, p), (name_ref, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+        assert name.replace("_checkpoint_wrapped_module.", "") == name_ref, (name, name_ref)
         g = p.grad.clone()
         dist.all_reduce(g)
         worst = max(worst, rel(g, p_ref.grad))
     result = {"loss": abs(float(total) - float(ref_loss)) / abs(float(ref_loss)), "grad": worst,
-              "replaced": replaced, "fwd_calls": fwd.count(), "fwd_wire_bytes": fwd.wire_bytes()}
+              "replaced": replaced, "fwd_calls": fwd.count(), "fwd_wire_bytes": fwd.wire_bytes(),
+              "bwd_calls": {n: bwd.count(n) for n in ("all_gather", "reduce_scatter", "all_to_all")}}
     if rank == 0:
         (out / f"{case['name']}.json").write_text(json.dumps(result))
     dist.barrier()

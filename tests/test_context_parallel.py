@@ -115,18 +115,24 @@ def test_cp_attention_matches_full_attention(cp, tmp_path):
 
 # Whole models with the CP plan vs unsharded (fp32): Llama debug_small (GQA 4/2, 3 layers)
 # and DeepSeek V3 debug (MLA: allgather gathers the latent at attention.kv_latent).
+# With AC (op / full), the backward's collectives are counted: op SAC saves the CP ops, so the
+# recompute sends nothing (AC_TRACE=1 shows them saved).
 MODEL_CASES = [
-    {"name": f"{model}_{method}", "model": model, "flavor": flavor, "method": method, "seq": 48}
+    {"name": f"{model}_{method}_ac_{ac}", "model": model, "flavor": flavor, "method": method, "seq": 48, "ac": ac}
     for model, flavor in (("llama3", "debug_small"), ("deepseek_v3", "debug")) for method in ("allgather", "alltoall")
+    for ac in ("none", "op", "full")
 ]
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_cp_plan_on_models_matches_unsharded(tmp_path):
     cp = 2
     (tmp_path / "cases.json").write_text(json.dumps(MODEL_CASES))
-    torchrun(cp, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.cp_attention_worker",
-             timeout=240)
+    proc = torchrun(cp, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.cp_attention_worker",
+                    timeout=240, env={"AC_TRACE": "1"})
+    for op in ("cp_all_gather", "cp_all_to_all"):
+        assert f"AC_TRACE SAVE titanlite.{op}.default" in proc.stdout, proc.stdout[-3000:]
     for case in MODEL_CASES:
         r = json.loads((tmp_path / "out" / f"{case['name']}.json").read_text())
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5, (case["name"], r)
@@ -138,4 +144,14 @@ def test_cp_plan_on_models_matches_unsharded(tmp_path):
             assert r["fwd_wire_bytes"] == pytest.approx(n_layers * 2 * 48 * (64 + 16) * 4 / 2)
         else:
             assert kinds == {"sdpa"} and len(r["replaced"]) == n_layers
-        assert r["fwd_calls"] == n_layers * (1 if case["method"] == "allgather" else 2)
+        per_layer = 1 if case["method"] == "allgather" else 2
+        assert r["fwd_calls"] == n_layers * per_layer
+        # Backward: the autograd collectives (one reduce-scatter per gather; the reverse of both
+        # all-to-alls), plus, under full AC only, the recompute's (the whole block: every one);
+        # op SAC recomputes none.
+        recomputed = n_layers * per_layer if case["ac"] == "full" else 0
+        if case["method"] == "allgather":
+            expect = {"all_gather": recomputed, "reduce_scatter": n_layers, "all_to_all": 0}
+        else:
+            expect = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 2 * n_layers + recomputed}
+        assert r["bwd_calls"] == expect, (case["name"], r["bwd_calls"])
