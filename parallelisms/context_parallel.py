@@ -266,23 +266,63 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> list[str]:
-    """Swaps every attention core (`SDPA`) of `model` (one model part) for its CP version
-    and installs the positions hook; with allgather, MLA's `kv_latent` hook points
-    become `SequenceGather`. Returns the module names replaced."""
+def _swap_attention(model: nn.Module, cp_mesh, method: str, memory_probe: bool = False) -> list[str]:
     from models.common.attention import SDPA
 
     replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, SDPA):
-            _replace(model, name, ContextParallelAttention(module, cp_mesh, method))
+            cp_attention = ContextParallelAttention(module, cp_mesh, method)
+            cp_attention.memory_probe = memory_probe
+            _replace(model, name, cp_attention)
         elif name.endswith("attention.kv_latent") and method == "allgather":
             _replace(model, name, SequenceGather(cp_mesh))
         else:
             continue
         replaced.append(name)
+    return replaced
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> list[str]:
+    """Swaps every attention core (`SDPA`) of `model` (one model part) for its CP version
+    and installs the positions hook; with allgather, MLA's `kv_latent` hook points
+    become `SequenceGather`. Returns the module names replaced."""
+    replaced = _swap_attention(model, cp_mesh, method)
     model.register_forward_pre_hook(_PositionsHook(cp_mesh.size(), cp_mesh.get_local_rank()), with_kwargs=True)
     return replaced
+
+
+class _ProbeMesh:
+    """Stands in for a CP mesh on fake tensors: the CP ops' fake kernels never read the group."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+
+    def size(self) -> int:
+        return self.cp
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def get_group(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(group_name="cp-memory-probe")
+
+
+def install_memory_probe(block: nn.Module, cp: int, method: str) -> list[str]:
+    """For the memory estimator: the CP plan on one block of fake tensors (run it at
+    seq_len / cp). It keeps for backward what a CP rank keeps on CUDA (see `attend_prefix`)."""
+    return _swap_attention(block, _ProbeMesh(cp), method, memory_probe=True)
+
+
+def cpu_mask_bytes(seq_len: int, cp: int, method: str, esize: int) -> int:
+    """The additive masks a CPU run keeps (once per rank, shared by every layer) under
+    allgather: c x (j + 1) c for each of the worst rank's chunks j except chunk 0."""
+    if cp <= 1 or method != "allgather":
+        return 0
+    c = seq_len // (2 * cp)
+    return c * c * (2 * cp + 1) * esize
 
 
 def shard_microbatch(inputs: torch.Tensor, labels: torch.Tensor, cp_mesh) -> tuple[torch.Tensor, torch.Tensor]:
