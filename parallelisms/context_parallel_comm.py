@@ -71,6 +71,11 @@ def _note(name: str, nbytes: int, group_size: int) -> None:
         record.calls.append((name, nbytes, group_size))
 
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -85,7 +90,7 @@ def _group(name: str):
 def cp_all_gather(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
     """[n, ...] on each rank -> [group_size * n, ...], rank order."""
     out = x.new_empty((group_size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=_group(group_name))
+    _all_gather(out, x.contiguous(), group=_group(group_name))
     _note("all_gather", out.numel() * out.element_size(), group_size)
     return out
 
@@ -99,7 +104,7 @@ def _(x, group_name, group_size):
 def cp_reduce_scatter(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
     """[group_size * n, ...] -> [n, ...]: the sum over ranks of this rank's slice."""
     out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=_group(group_name))
+    _reduce_scatter(out, x.contiguous(), op=dist.ReduceOp.SUM, group=_group(group_name))
     _note("reduce_scatter", x.numel() * x.element_size(), group_size)
     return out
 
