@@ -98,7 +98,12 @@ def lower_right_mask(q_len: int, k_len: int, dtype: torch.dtype, device: torch.d
     it for backward): one is built per shape, dtype and device and shared by every layer
     and step, so it costs q_len x k_len elements once, not per layer. Built with dispatch
     modes off, so that op-level SAC never sees it (creating the tensor subclass under its
-    mode fails, and a cache hit must not change the ops the recompute replays)."""
+    mode fails, and a cache hit must not change the ops the recompute replays).
+
+    Under torch.compile (which traces neither the cache nor `CausalBias`) a boolean mask
+    is built inside the graph instead: q_len x k_len bytes per call, on any device."""
+    if torch.compiler.is_compiling():
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():

@@ -182,14 +182,34 @@ def rank_order(cp: int) -> list[int]:
     return inverse
 
 
+_INDEX_TENSORS: dict = {}
+
+
+def _index_tensor(index: list[int], like: torch.Tensor) -> torch.Tensor:
+    """`index` as a tensor on `like`'s device, made once (no host-to-device copy per layer),
+    outside any dispatch mode (SAC must not see a cache hit change the op sequence); made
+    in place for fake tensors (the memory estimator) and under torch.compile."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    device = like.device
+    if torch.compiler.is_compiling() or is_fake(like) or device.type == "meta":
+        return torch.tensor(index, device=device)
+    key = (tuple(index), device)
+    if key not in _INDEX_TENSORS:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            _INDEX_TENSORS[key] = torch.tensor(index, device=device)
+    return _INDEX_TENSORS[key]
+
+
 def reorder_chunks(x: torch.Tensor, index: list[int], dim: int) -> torch.Tensor:
     """Permutes the len(index) equal chunks of `x` along `dim`."""
     n = len(index)
     shape = x.shape
     # [..., S, ...] -> [..., n, S / n, ...]
     chunked = x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:])
-    idx = torch.tensor(index, device=x.device)
-    return chunked.index_select(dim, idx).reshape(shape)
+    return chunked.index_select(dim, _index_tensor(index, x)).reshape(shape)
 
 
 def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:

@@ -47,6 +47,8 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "cp2_ac_op": (2, "debug_small", [LB, "4", *cp(2), "--activation_checkpoint.mode", "op"]),
     "cp2_ac_full_alltoall": (2, "debug_small", [LB, "4", *cp(2, "alltoall"), "--activation_checkpoint.mode",
                                                 "full"]),
+    "cp2_compile_ac_op": (2, "debug_small", [LB, "4", *cp(2), "--compile.enable", "true",
+                                             "--activation_checkpoint.mode", "op"]),
     "cp2_deepseek_allgather": (2, "ds_debug", [LB, "4", *cp(2)]),
     "cp2_ep2_deepseek": (2, "ds_debug", [LB, "4", *cp(2, "alltoall"), "--parallelism.expert_parallel_degree", "2"]),
     # 4 ranks
