@@ -16,7 +16,7 @@ import torch
 from parallelisms.context_parallel import check_context_parallel_layout, kv_repeat_for_alltoall
 from parallelisms.context_parallel_comm import (
     local_positions, natural_order, rank_order, reorder_chunks, shard_sequence, unshard_sequence)
-from tests.helpers import REPO, torchrun
+from tests.helpers import torchrun
 from trainer.configurable import ConfigError
 
 

@@ -16,15 +16,13 @@ Run with `-s` to see the table of measured differences.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_in_process, torchrun
-from tests.test_parallel_layouts import BASE, MODELS, PP2, STEPS, TOL, _common, _load, _state, loss_rel, max_rel, \
-    norm_rel, sched
+from tests.test_parallel_layouts import PP2, STEPS, _common, compare_to_reference, loss_rel, print_report, \
+    reference_run, run_layout_cases, sched, write_seed_checkpoints
 
 pytestmark = [pytest.mark.multirank]
 
@@ -47,8 +45,6 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "cp2_ac_op": (2, "debug_small", [LB, "4", *cp(2), "--activation_checkpoint.mode", "op"]),
     "cp2_ac_full_alltoall": (2, "debug_small", [LB, "4", *cp(2, "alltoall"), "--activation_checkpoint.mode",
                                                 "full"]),
-    "cp2_compile_ac_op": (2, "debug_small", [LB, "4", *cp(2), "--compile.enable", "true",
-                                             "--activation_checkpoint.mode", "op"]),
     "cp2_deepseek_allgather": (2, "ds_debug", [LB, "4", *cp(2)]),
     "cp2_ep2_deepseek": (2, "ds_debug", [LB, "4", *cp(2, "alltoall"), "--parallelism.expert_parallel_degree", "2"]),
     # 4 ranks
@@ -83,20 +79,10 @@ def _args(root: Path, name: str, ref_key: str) -> list[str]:
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_layouts")
-    for flavor in ("debug_small", "ds_debug"):
-        model, fl = MODELS[flavor]
-        run_in_process([*BASE, "--model.name", model, "--model.flavor", fl, LB, "4",
-                        "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(root / f"seed_{flavor}")])
-    refs = {}
-    for key in REFERENCES:
-        losses, trainer = run_in_process(_args(root, f"ref_{key}", key) + [LB, "4"])
-        params, grads = _state(trainer)
-        refs[key] = {"losses": losses, "params": params, "grads": grads}
+    write_seed_checkpoints(root, ("debug_small", "ds_debug"))
+    refs = {key: reference_run(_args(root, f"ref_{key}", key) + [LB, "4"]) for key in REFERENCES}
     yield root, refs
-    print("\nlayout                         world  loss       grad       param")
-    print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
-          "param: after the last step, max over tensors of ||d||/||ref||)")
-    print("\n".join(REPORT))
+    print_report(REPORT)
 
 
 def _launch(root: Path, world: int) -> dict:
@@ -104,33 +90,20 @@ def _launch(root: Path, world: int) -> dict:
     src = root / "ck" / "cp2_allgather" / "step-2"
     cases += [{"name": n, "args": _args(root, n, "debug_small") + extra, "dump_loaded": True,
                "copy": [str(src), str(root / "ck" / n / "step-2")]} for n, (w, extra) in RESUMES.items() if w == world]
-    (root / f"cases{world}.json").write_text(json.dumps(cases))
-    proc = torchrun(world, [str(root / f"cases{world}.json"), str(root / "out")], timeout=600,
-                    module="tests.parallel_worker")
-    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[worker]")))
-    return {c["name"]: _load(root / "out", c["name"]) for c in cases}
+    return run_layout_cases(root, world, cases, timeout=600)
+
+
+def _resume_in_one_process(root: Path, name: str) -> dict:
+    shutil.copytree(root / "ck" / "cp2_allgather" / "step-2", root / "ck" / name / "step-2")
+    return reference_run(_args(root, name, "debug_small") + RESUMES[name][1])
 
 
 @pytest.fixture(scope="module")
 def suite(refs):
+    """Every layout (2- then 4-rank launch), then the one-process resume of the cp2 checkpoint."""
     root, ref = refs
     results = {**_launch(root, 2), **_launch(root, 4)}
-    name = "dcp_cp2_to_cp1"
-    shutil.copytree(root / "ck" / "cp2_allgather" / "step-2", root / "ck" / name / "step-2")
-    losses, trainer = run_in_process(_args(root, name, "debug_small") + RESUMES[name][1])
-    params, grads = _state(trainer)
-    results[name] = {"losses": losses, "params": params, "grads": grads}
-    return ref, results
-
-
-def _compare(name: str, world: int, got: dict, ref: dict, note: str = "") -> None:
-    dl = loss_rel(got["losses"], ref["losses"])
-    dg = max_rel(got["grads"], ref["grads"])
-    dp = norm_rel(got["params"], ref["params"])
-    REPORT.append(f"{name:<30} {world:>5}  {dl:9.2e}  {dg:9.2e}  {dp:9.2e}  {note}")
-    assert dl <= TOL, (name, got["losses"], ref["losses"])
-    assert dg <= TOL, (name, dg)
-    assert dp <= TOL, (name, dp)
+    return ref, {**results, "dcp_cp2_to_cp1": _resume_in_one_process(root, "dcp_cp2_to_cp1")}
 
 
 @pytest.mark.slow
@@ -139,7 +112,7 @@ def _compare(name: str, world: int, got: dict, ref: dict, note: str = "") -> Non
 def test_cp_layout_matches_one_rank(name, suite):
     refs, results = suite
     world, key, _ = LAYOUTS[name]
-    _compare(name, world, results[name], refs[key])
+    compare_to_reference(name, world, results[name], refs[key], REPORT)
 
 
 @pytest.mark.slow
@@ -151,5 +124,5 @@ def test_cp_checkpoint_resumes_on_other_layouts(name, suite):
     assert len(got["losses"]) == STEPS - 2
     dl_straight = loss_rel(got["losses"], straight["losses"][2:])
     ref = {**refs["debug_small"], "losses": refs["debug_small"]["losses"][2:]}
-    _compare(name, RESUMES[name][0], got, ref, f"(vs the straight cp2 run: {dl_straight:.1e})")
+    compare_to_reference(name, RESUMES[name][0], got, ref, REPORT, f"(vs the straight cp2 run: {dl_straight:.1e})")
     assert dl_straight <= RESUME_TOL, (name, got["losses"], straight["losses"])
