@@ -117,15 +117,15 @@ def test_cp_attention_matches_full_attention(cp, tmp_path):
 # and DeepSeek V3 debug (MLA: allgather gathers the latent at attention.kv_latent).
 # With AC (op / full), the backward's collectives are counted: op SAC saves the CP ops, so the
 # recompute sends nothing (AC_TRACE=1 shows them saved).
+# DeepSeek runs under op SAC only (its parity covers the plan; the save set covers the latent gather).
 MODEL_CASES = [
     {"name": f"{model}_{method}_ac_{ac}", "model": model, "flavor": flavor, "method": method, "seq": 48, "ac": ac}
-    for model, flavor in (("llama3", "debug_small"), ("deepseek_v3", "debug")) for method in ("allgather", "alltoall")
-    for ac in ("none", "op", "full")
+    for model, flavor, modes in (("llama3", "debug_small", ("none", "op", "full")), ("deepseek_v3", "debug", ("op",)))
+    for method in ("allgather", "alltoall") for ac in modes
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_cp_plan_on_models_matches_unsharded(tmp_path):
     cp = 2
     (tmp_path / "cases.json").write_text(json.dumps(MODEL_CASES))
@@ -155,3 +155,32 @@ def test_cp_plan_on_models_matches_unsharded(tmp_path):
         else:
             expect = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 2 * n_layers + recomputed}
         assert r["bwd_calls"] == expect, (case["name"], r["bwd_calls"])
+
+
+@pytest.mark.parametrize("config", ["llama8b_128k.toml", "llama_debug_cp.toml"])
+def test_cp_configs_pass_dry_run(config, capsys):
+    from trainer.config import load_config
+    from trainer.train import dry_run
+
+    cfg = load_config(["--config", config, "--job.dry_run"])  # layout validation runs here
+    assert cfg.parallelism.context_parallel_degree > 1
+    assert dry_run(cfg)["params"] > 0 and "parameters:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_train_sh_trains_llama_debug_cp(tmp_path):
+    """The command the docs give: NGPU=2 ./run_train.sh --config llama_debug_cp.toml (3 steps here)."""
+    import os
+
+    from tests.helpers import REPO, read_metrics, run_killing_group
+
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0"}
+    proc = run_killing_group(["./run_train.sh", "--config", "llama_debug_cp.toml", "--training.steps", "3",
+                              "--job.dump_folder", str(tmp_path / "run")], cwd=REPO, env=env, timeout=550)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cp 2" in proc.stdout
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] == r["loss"] and 0 < r["loss"] < 10 for r in records), records
+    assert records[-1]["loss"] < records[0]["loss"]
