@@ -20,6 +20,9 @@ Methods (`parallelism.context_parallel_method`):
   all-gathered into the full sequence; each of the rank's two query chunks attends to
   the key prefix that ends with its own chunk, with a causal mask aligned to the lower
   right (query i of chunk j sees keys up to j*c + i). The backward reduce-scatters dK/dV.
+  MLA (DeepSeek) gathers instead its per-token latent (576 values for V3, not the
+  40960 of the expanded k and v) at the model's `attention.kv_latent` hook point
+  (`SequenceGather`); k and v then reach the CP attention already gathered.
 - `alltoall` (Ulysses): one all-to-all turns q, k, v from sequence-sharded (all heads)
   into head-sharded (Hq / cp heads, full sequence), the model's own SDPA runs causal on
   that, and a second all-to-all brings the output back. Needs the local head count
