@@ -1,13 +1,14 @@
 """The one assembly path from model args to trainable, parallelized model parts.
 
-    build_model (meta) -> [PP split] -> parallelize each part: TP -> EP -> AC -> compile -> FSDP
+    build_model (meta) -> [PP split] -> parallelize each part: TP -> CP -> EP -> AC -> compile -> FSDP
                        -> materialise -> layout-independent init
 
 The trainer, the memory estimator, the benches and the scripts all build models
 here, so the order of the plans is written once. Each step is a plan applied from
 outside the model by module name; the model code knows nothing about parallelism.
 
-Why this order: TP changes parameter shapes and layouts, so it goes first; EP then
+Why this order: TP changes parameter shapes and layouts, so it goes first; CP swaps the
+attention cores (no parameters) and contributes its collectives to the AC save set; EP then
 re-shards the routed experts; AC wraps whole blocks, which must already hold their
 final (DTensor) parameters; compile sees the AC wrapper so that the partitioner reads
 the SAC tags; FSDP goes last because it shards whatever the earlier plans produced
@@ -72,7 +73,7 @@ def autocast_context(precision: Precision, device_type: str):
 
 def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None = None,
                 backend: str | None = None) -> nn.Module:
-    """Applies TP -> EP -> AC -> compile -> FSDP to one model part (the whole model, or one
+    """Applies TP -> CP -> EP -> AC -> compile -> FSDP to one model part (the whole model, or one
     pipeline stage) in place and returns it. Needs `dims.build_mesh()` to have run when any
     degree is > 1."""
     device_type = dims.device_type
@@ -82,6 +83,12 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
             raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {spec.name} has no TP plan; "
                               "set it to 1")
         spec.tensor_parallel_fn(part, dims.mesh("tp"), cfg.parallelism)
+    save_ops = spec.sac_save_ops
+    if dims.cp > 1:
+        from parallelisms.context_parallel import CP_SAVE_OPS, apply_context_parallel
+
+        apply_context_parallel(part, dims.mesh("cp"), cfg.parallelism.context_parallel_method)
+        save_ops = save_ops | CP_SAVE_OPS  # op SAC keeps CP's gathers: a recompute sends nothing
     if dims.ep_enabled:
         if spec.expert_parallel_fn is None:
             raise ConfigError(f"config error: parallelism.expert_parallel_degree: {spec.name} has no experts; "
@@ -90,7 +97,7 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.compile import apply_compile
 
-    apply_activation_checkpointing(part, cfg.activation_checkpoint, extra_save_ops=spec.sac_save_ops,
+    apply_activation_checkpointing(part, cfg.activation_checkpoint, extra_save_ops=save_ops,
                                    force_recompute_fqns=tuple(spec.sac_force_recompute_fqns),
                                    compile_enabled=cfg.compile.enable)
     apply_compile(part, cfg.compile, cfg.activation_checkpoint)

@@ -5,11 +5,11 @@ Layout
 With `parallelism.expert_parallel_degree = ep`, every MoE layer's routed experts
 (`GroupedExperts.w1/w2/w3`, expert dim 0) become DTensors `Shard(0)` on the "ep" mesh:
 EP rank r holds experts [r*E/ep, (r+1)*E/ep). The ep ranks are borrowed from
-dp_shard x tp (see `ParallelDims._build_expert_meshes`: TP ranks first, then dp_shard
-ranks). The remaining dp_shard x tp / ep ranks ("efsdp") see other tokens for the same
+dp_shard x cp x tp (see `ParallelDims._build_expert_meshes`: TP ranks first, then CP, then
+dp_shard ranks). The remaining dp_shard x cp x tp / ep ranks ("efsdp") see other tokens for the same
 experts: `parallelisms/fsdp.py` FSDP-shards the experts over that mesh (with
 dp_replicate for HSDP), before it shards the block over the usual dense mesh. When
-dp_shard x tp == ep there is no "efsdp" mesh and the experts are left out of FSDP: the
+dp_shard x cp x tp == ep there is no "efsdp" mesh and the experts are left out of FSDP: the
 all-to-all has already gathered every token that touches them.
 
 Token flow (one MoE layer, forward; `ExpertParallelDispatcher.__call__`)
@@ -157,7 +157,8 @@ def expert_parallel_fn(model: nn.Module, dims, parallelism_cfg) -> None:
     efsdp = dims.expert_fsdp_mesh()
     if dims.expert_fsdp_degree > 1 and dims.fsdp_mesh() is None:
         raise ConfigError(f"config error: parallelism.expert_parallel_degree: {ep} leaves dp_shard({dims.dp_shard}) x "
-                          f"tp({dims.tp}) / ep = {dims.expert_fsdp_degree} ranks that see other tokens for the same "
-                          "experts, which needs FSDP (data_parallel_shard_degree > 1); use ep = dp_shard x tp")
+                          f"cp({dims.cp}) x tp({dims.tp}) / ep = {dims.expert_fsdp_degree} ranks that see other tokens "
+                          "for the same experts, which needs FSDP (data_parallel_shard_degree > 1); use ep = dp_shard "
+                          "x cp x tp")
     # A pipeline stage may hold no MoE layer: then there is nothing to shard.
     apply_expert_parallel(model, dims.mesh("ep"), efsdp)

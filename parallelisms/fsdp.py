@@ -29,7 +29,7 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
     # Expert parallelism (parallelisms/expert_parallel.py) marks routed-expert modules with
     # `_expert_fsdp_mesh`: they are sharded first, over the ranks that share their EP shard
-    # (dp_shard x tp / ep), or, when there are none, left out of FSDP altogether.
+    # (dp_shard x cp x tp / ep), or, when there are none, left out of FSDP altogether.
     ignored: set = set()
     # A model's extra modules that hold a block each (DeepSeek's MTP layers) are sharded like blocks.
     mtp = getattr(model, "mtp", None)

@@ -17,8 +17,13 @@ class ParallelismConfig:
     data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 means whatever the other degrees leave.", min=-1)
     tensor_parallel_degree: int = opt(1, "Tensor parallel degree (must divide heads and KV heads).", min=1)
     pipeline_parallel_degree: int = opt(1, "Pipeline parallel degree (stages over ranks).", min=1)
-    context_parallel_degree: int = opt(1, "Context parallel degree (validated; only 1 is implemented).", min=1)
-    expert_parallel_degree: int = opt(1, "Expert parallel degree for MoE models; ranks are borrowed from dp_shard x tp.", min=1)
+    context_parallel_degree: int = opt(1, "Context parallel degree: ranks that split each sequence (load-balanced "
+                                       "causal chunks); seq_len must be a multiple of 2 x this.", min=1)
+    context_parallel_method: str = opt("allgather", "How CP attention sees the other ranks' tokens: allgather (K/V "
+                                       "gathered) or alltoall (Ulysses: heads split over CP; cp must divide them).",
+                                       choices=("allgather", "alltoall"))
+    expert_parallel_degree: int = opt(1, "Expert parallel degree for MoE models; ranks are borrowed from dp_shard x "
+                                      "cp x tp.", min=1)
     enable_sequence_parallel: bool = opt(True, "With TP, shard norms and residuals over the sequence.")
     disable_loss_parallel: bool = opt(False, "With TP, gather logits instead of computing the loss on vocab shards.")
     fsdp_reshard_after_forward: str = opt(
@@ -40,17 +45,17 @@ class ParallelismConfig:
 
 def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batch_size: int) -> None:
     """Every check of the degrees against the model's shape and the batch (no world size)."""
-    from trainer.configurable import ConfigError
-
-    if cfg.context_parallel_degree != 1:
-        raise ConfigError(
-            f"config error: parallelism.context_parallel_degree: {cfg.context_parallel_degree} is not supported "
-            "yet (context parallelism is not implemented); set it to 1")
     tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
     check_model_layout(model_args, tp=tp, pp=pp, seq_len=seq_len,
                        sequence_parallel=cfg.enable_sequence_parallel and tp > 1)
     if pp > 1:
         check_pipeline_layout(cfg, getattr(model_args, "n_layers", None), local_batch_size)
+    if cfg.context_parallel_degree > 1:
+        from parallelisms.context_parallel import check_context_parallel_layout
+
+        check_context_parallel_layout(model_args, cp=cfg.context_parallel_degree, tp=tp,
+                                      method=cfg.context_parallel_method, seq_len=seq_len,
+                                      sequence_parallel=cfg.enable_sequence_parallel)
     if cfg.expert_parallel_degree > 1:
         from parallelisms.expert_parallel import check_expert_parallel_layout
 
@@ -150,10 +155,11 @@ class ParallelDims:
       - "dp_cp":   dp_replicate x dp_shard x cp, over which gradients/losses are reduced;
       - "dp_cp_tp": every rank of one pipeline stage (MoE loads are summed over it: under
                    sequence parallel, TP ranks route different tokens).
-    Expert meshes (ep > 1, see parallelisms/expert_parallel.py): the dp_shard x tp ranks,
-    tp innermost, are unflattened into ("efsdp", "ep"), ep innermost; so EP borrows TP
-    ranks first, then dp_shard ranks. Routed experts are split over "ep" and FSDP-sharded
-    over "efsdp" (dp_shard x tp / ep ranks; absent when that is 1).
+    Expert meshes (ep > 1, see parallelisms/expert_parallel.py): the dp_shard x cp x tp
+    ranks, tp innermost, are unflattened into ("efsdp", "ep"), ep innermost; so EP borrows
+    TP ranks first, then CP, then dp_shard ranks (CP ranks route different tokens, as data
+    ranks do). Routed experts are split over "ep" and FSDP-sharded
+    over "efsdp" (dp_shard x cp x tp / ep ranks; absent when that is 1).
     """
 
     def __init__(self, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
@@ -173,15 +179,15 @@ class ParallelDims:
                 f"config error: parallelism: dp_replicate({dp_replicate}) x dp_shard({dp_shard}) x cp({cp}) x "
                 f"tp({tp}) x pp({pp}) = {product}, but the world size is {world_size}; make the product "
                 f"{world_size} (e.g. set parallelism.data_parallel_shard_degree = -1)")
-        if ep > 1 and (dp_shard * tp) % ep != 0:
+        if ep > 1 and (dp_shard * cp * tp) % ep != 0:
             raise ConfigError(
-                f"config error: parallelism.expert_parallel_degree: {ep} must divide dp_shard({dp_shard}) x "
-                f"tp({tp}) = {dp_shard * tp}, the ranks experts borrow; pick a divisor of {dp_shard * tp}")
+                f"config error: parallelism.expert_parallel_degree: {ep} must divide dp_shard({dp_shard}) x cp({cp}) x "
+                f"tp({tp}) = {dp_shard * cp * tp}, the ranks experts borrow; pick a divisor of {dp_shard * cp * tp}")
         self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep = dp_replicate, dp_shard, cp, tp, pp, ep
         self.world_size = world_size
         self.device_type = "cpu"  # set by build_mesh
         self.world_mesh = None
-        self.expert_meshes: dict = {}  # "ep" and, when dp_shard x tp / ep > 1, "efsdp"
+        self.expert_meshes: dict = {}  # "ep" and, when dp_shard x cp x tp / ep > 1, "efsdp"
 
     @classmethod
     def from_config(cls, cfg: ParallelismConfig, world_size: int) -> "ParallelDims":
@@ -215,8 +221,8 @@ class ParallelDims:
 
     @property
     def expert_fsdp_degree(self) -> int:
-        """Ranks over which one EP rank's experts are FSDP-sharded: dp_shard x tp / ep."""
-        return self.dp_shard * self.tp // self.ep if self.ep > 1 else self.dp_shard
+        """Ranks over which one EP rank's experts are FSDP-sharded: dp_shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep if self.ep > 1 else self.dp_shard
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -245,16 +251,16 @@ class ParallelDims:
         return mesh
 
     def _build_expert_meshes(self, mesh, names) -> None:
-        """Unflattens dp_shard x tp (tp innermost) into (efsdp, ep), ep innermost. The new
+        """Unflattens dp_shard x cp x tp (tp innermost) into (efsdp, ep), ep innermost. The new
         meshes share the world mesh's root, so FSDP can combine "efsdp" with "ep"."""
-        borrowed = tuple(n for n in ("dp_shard", "tp") if n in names)
+        borrowed = tuple(n for n in ("dp_shard", "cp", "tp") if n in names)
         efsdp = self.expert_fsdp_degree
         src = mesh[borrowed]
         if efsdp == 1:
             self.expert_meshes = {"ep": src._flatten("ep")}
             return
         if len(borrowed) > 1:
-            src = src._flatten("dp_shard_tp")
+            src = src._flatten("expert_borrowed")
         sparse = src._unflatten(0, (efsdp, self.ep), ("efsdp", "ep"))
         self.expert_meshes = {"ep": sparse["ep"], "efsdp": sparse["efsdp"]}
 

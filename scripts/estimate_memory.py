@@ -13,6 +13,7 @@ Options (everything else is a trainer override, `--section.key value`):
   --device cuda|cpu          where the run would happen (cpu: fp32 unless mixed_precision_on_cpu); default cuda
   --json                     print the estimate as JSON
   --table                    the AC mode x chunked CE table for the config
+  --cp-table                 context parallel degree (1/2/4/8, as the world allows) x AC none/full/op
   --validate                 debug model on this CPU: each AC mode with chunked CE off and on, and a
                              2-rank FSDP run; estimated saved activation bytes and peak vs measured
   --quick                    with --validate: none/op only, and one 2-rank case
@@ -31,12 +32,13 @@ from trainer.configurable import ConfigError  # noqa: E402
 
 _VALUE_FLAGS = {"--ngpu": "world", "--world-size": "world", "--world_size": "world", "--gpus-per-node": "gpn",
                 "--gpus_per_node": "gpn", "--device": "device"}
-_BOOL_FLAGS = {"--json": "json", "--table": "table", "--validate": "validate", "--quick": "quick",
-               "--help": "help", "-h": "help"}
+_BOOL_FLAGS = {"--json": "json", "--table": "table", "--cp-table": "cp_table", "--validate": "validate",
+               "--quick": "quick", "--help": "help", "-h": "help"}
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"world": None, "gpn": 8, "device": "cuda", "json": False, "table": False, "validate": False,
+    opts = {"world": None, "gpn": 8, "device": "cuda", "json": False, "table": False, "cp_table": False,
+            "validate": False,
             "quick": False, "help": False}
     rest: list[str] = []
     i = 0
@@ -86,7 +88,7 @@ def table(rest: list[str], opts: dict) -> str:
             first = first or est
             rows.append((mode, chunked, est))
     L = first.layout
-    out = [f"{first.model} ({first.config}), per rank: world {first.world_size} = dp_shard {L.dp_shard} x tp {L.tp} x "
+    out = [f"{first.model} ({first.config}), per rank: world {first.world_size} = dp_shard {L.dp_shard} x cp {L.cp} x tp {L.tp} x "
            f"pp {L.pp}, {first.tokens_per_microbatch} tokens per microbatch, compute {first.compute_dtype}, "
            f"ce_chunk_size {load_config(rest).loss.ce_chunk_size}; GiB",
            "",
@@ -100,6 +102,38 @@ def table(rest: list[str], opts: dict) -> str:
                    f"{e.optimizer / GiB:.2f} | {e.fsdp_buffers / GiB:.2f} | {per_block} | {e.activations / GiB:.2f} | "
                    f"{e.loss_peak / GiB:.2f} | {phase} | {e.total / GiB:.2f} |")
     return "\n".join(out)
+
+
+def cp_table(rest: list[str], opts: dict) -> str:
+    """Context parallel degree x AC mode for the config, on its world size (dp_shard takes the rest)."""
+    from trainer.config import load_config
+    from trainer.memory import GiB, estimate_memory
+
+    out, head = [], None
+    for cp in (1, 2, 4, 8):
+        for mode in ("none", "full", "op"):
+            try:
+                cfg = load_config(rest + ["--parallelism.context_parallel_degree", str(cp),
+                                          "--parallelism.data_parallel_shard_degree", "-1",
+                                          "--activation_checkpoint.mode", mode])
+                e = estimate_memory(cfg, opts["world"], device=opts["device"], gpus_per_node=opts["gpn"],
+                                    config_name=config_name(rest))
+            except ConfigError as err:
+                out.append(f"| {cp} | {mode} | {err} |")
+                continue
+            if head is None:
+                head = (f"{e.model} ({e.config}), per rank on {e.world_size} ranks, seq_len {cfg.training.seq_len}, "
+                        f"{cfg.parallelism.context_parallel_method}, compute {e.compute_dtype}, chunked CE "
+                        f"{'on' if e.chunked_ce else 'off'}; GiB")
+            per_block = ", ".join(f"{v / GiB:.3f}" for v in e.activations_per_block.values())
+            L = e.layout
+            out.append(f"| {cp} | {mode} | {L.dp_shard} | {e.tokens_per_microbatch} | {per_block} | "
+                       f"{e.activations / GiB:.2f} | {e.loss_peak / GiB:.2f} | {e.block_backward / GiB:.2f} | "
+                       f"{(e.params + e.grads + e.optimizer) / GiB:.2f} | {max(e.phases, key=e.phases.get)} | "
+                       f"{e.total / GiB:.2f} |")
+    return "\n".join([head or "", "", "| cp | AC | dp_shard | tokens/rank | activations/block | activations (all "
+                      "blocks) | logits/loss peak | block backward | params+grads+AdamW | peak phase | total (peak) |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|", *out])
 
 
 def validate(quick: bool) -> str:
@@ -145,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("config error: --config: pass a TOML config (e.g. --config llama8b.toml)")
         if opts["table"]:
             print(table(rest, opts))
+            return 0
+        if opts["cp_table"]:
+            print(cp_table(rest, opts))
             return 0
         from trainer.config import load_config
         from trainer.memory import estimate_memory, format_estimate

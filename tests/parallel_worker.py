@@ -7,7 +7,7 @@ CASES.json is a list of {"name": str, "args": [CLI overrides...], optional "copy
 the params right after the Trainer is built, i.e. after a checkpoint load)}. All ranks run
 the cases in order; one process group serves them all (each Trainer builds its own mesh).
 
-For each case, one rank per pipeline stage (dp and tp coordinate 0) writes
+For each case, one rank per pipeline stage (dp, cp and tp coordinate 0) writes
 OUT_DIR/<name>.stage<pp rank>.pt with {"losses", "params", "grads", ["loaded"]}: unsharded
 (DTensor.full_tensor()) values under the model's own parameter names. Grads are those of
 the last step (after clipping), params are those after the last optimizer step.
@@ -68,7 +68,7 @@ def run_case(case: dict, out: Path) -> None:
     t0 = time.perf_counter()
     cfg = load_config(case["args"])
     trainer = Trainer(cfg)
-    writer = trainer.dims.coordinate("dp") == 0 and trainer.dims.coordinate("tp") == 0
+    writer = all(trainer.dims.coordinate(d) == 0 for d in ("dp", "cp", "tp"))
     record: dict = {}
     if case.get("dump_loaded"):
         record["loaded"], _ = gather_state(trainer.model_parts, with_grads=False)

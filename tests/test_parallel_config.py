@@ -43,7 +43,9 @@ def _err(args: list[str]) -> str:
      "local_batch_size: 4 is not a multiple of pipeline_parallel_microbatch_size 3"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
       "tok_embeddings,layers.0;layers.1;layers.2,norm,output"], "3 stages listed, but"),
-    (["--parallelism.context_parallel_degree", "2"], "context_parallel_degree: 2 is not supported yet"),
+    (["--parallelism.context_parallel_degree", "3"], "seq_len: 64 is not divisible by 2 x context_parallel_degree = 6"),
+    (["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "alltoall",
+      "--parallelism.tensor_parallel_degree", "2"], "alltoall splits the 2 local attention heads (after TP 2)"),
 ])
 def test_impossible_layout_is_one_line_at_config_time(args, expect):
     assert expect in _err(SMALL + args)

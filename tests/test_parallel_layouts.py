@@ -161,13 +161,33 @@ def loss_rel(got: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
+def write_seed_checkpoints(root: Path, flavors) -> None:
+    """One process writes the step-0 weights of each flavor (keys of MODELS) under root/seed_<flavor>."""
+    for flavor in flavors:
+        model, fl = MODELS[flavor]
+        run_in_process([*BASE, "--model.name", model, "--model.flavor", fl, "--training.local_batch_size", "4",
+                        "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(root / f"seed_{flavor}")])
+
+
+def reference_run(args: list[str]) -> dict:
+    """One process trains `args`: {"losses", "params", "grads"} of its last step."""
+    losses, trainer = run_in_process(args)
+    params, grads = _state(trainer)
+    return {"losses": losses, "params": params, "grads": grads}
+
+
+def print_report(rows: list[str]) -> None:
+    print("\nlayout                         world  loss       grad       param")
+    print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
+          "param: after the last step, max over tensors of ||d||/||ref||)")
+    print("\n".join(rows))
+
+
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     """Seed checkpoints and one-rank references; yields (root, refs) and prints the report at the end."""
     root = tmp_path_factory.mktemp("layouts")
-    for flavor, (model, fl) in MODELS.items():
-        run_in_process([*BASE, "--model.name", model, "--model.flavor", fl, "--training.local_batch_size", "4",
-                        "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(root / f"seed_{flavor}")])
+    write_seed_checkpoints(root, MODELS)
     refs = {}
     # debug_small: 2 steps, checkpoint, resume to 4 (bitwise equal to one run; gives the step-2 params too).
     args = _common(root, "ref_debug_small", "debug_small") + ["--training.local_batch_size", "4"]
@@ -177,14 +197,9 @@ def refs(tmp_path_factory):
     params, grads = _state(t2)
     refs["debug_small"] = {"losses": l1 + l2, "params": params, "grads": grads, "step2": step2}
     for flavor in ("debug", "ds_debug"):
-        lr, tr = run_in_process(_common(root, f"ref_{flavor}", flavor) + ["--training.local_batch_size", "4"])
-        params, grads = _state(tr)
-        refs[flavor] = {"losses": lr, "params": params, "grads": grads}
+        refs[flavor] = reference_run(_common(root, f"ref_{flavor}", flavor) + ["--training.local_batch_size", "4"])
     yield root, refs
-    print("\nlayout                         world  loss       grad       param")
-    print("(loss: max over steps of |d|/|ref|; grad: last step, max over tensors of max|d|/max|ref|; "
-          "param: after the last step, max over tensors of ||d||/||ref||)")
-    print("\n".join(REPORT))
+    print_report(REPORT)
 
 
 def _launch(root: Path, world: int) -> dict:
@@ -194,8 +209,13 @@ def _launch(root: Path, world: int) -> dict:
         if w == world:
             cases.append({"name": n, "args": _common(root, n, "debug_small") + extra, "dump_loaded": True,
                           "copy": [str(root / "ck" / src / "step-2"), str(root / "ck" / n / "step-2")]})
+    return run_layout_cases(root, world, cases)
+
+
+def run_layout_cases(root: Path, world: int, cases: list[dict], timeout: int = 420) -> dict:
+    """`cases` in one torchrun launch of tests/parallel_worker.py; returns name -> merged record."""
     (root / f"cases{world}.json").write_text(json.dumps(cases))
-    proc = torchrun(world, [str(root / f"cases{world}.json"), str(root / "out")], timeout=420,
+    proc = torchrun(world, [str(root / f"cases{world}.json"), str(root / "out")], timeout=timeout,
                     module="tests.parallel_worker")
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[worker]")))
     return {c["name"]: _load(root / "out", c["name"]) for c in cases}
@@ -222,17 +242,23 @@ def suite(refs):
     return ref, results
 
 
-def _check(name: str, flavor: str, suite, world: int) -> None:
-    refs, results = suite
-    ref, got = refs[flavor], results[name]
+def compare_to_reference(name: str, world: int, got: dict, ref: dict, report: list[str], note: str = "") -> None:
+    """Losses, last-step grads and post-step params of a run vs its reference, within TOL;
+    appends a row to `report`."""
     dl = loss_rel(got["losses"], ref["losses"])
     dg = max_rel(got["grads"], ref["grads"])
     dp = norm_rel(got["params"], ref["params"])
-    REPORT.append(f"{name:<30} {world:>5}  {dl:9.2e}  {dg:9.2e}  {dp:9.2e}  "
-                  f"(param max-abs rel {max_rel(got['params'], ref['params']):.1e})")
+    report.append(f"{name:<30} {world:>5}  {dl:9.2e}  {dg:9.2e}  {dp:9.2e}  {note}")
     assert dl <= TOL, (name, got["losses"], ref["losses"])
     assert dg <= TOL, (name, dg)
     assert dp <= TOL, (name, dp)
+
+
+def _check(name: str, flavor: str, suite, world: int) -> None:
+    refs, results = suite
+    ref, got = refs[flavor], results[name]
+    compare_to_reference(name, world, got, ref, REPORT,
+                         f"(param max-abs rel {max_rel(got['params'], ref['params']):.1e})")
 
 
 @pytest.mark.timeout(900)

@@ -54,6 +54,10 @@ class LossConfig:
         if root.model.mtp_depth >= root.training.seq_len:
             raise ConfigError(f"config error: model.mtp_depth: {root.model.mtp_depth} MTP depths leave no token to "
                               f"predict in sequences of {root.training.seq_len}; use a smaller depth")
+        if root.model.mtp_depth > 0 and root.parallelism.context_parallel_degree > 1:
+            raise ConfigError("config error: model.mtp_depth: not supported with parallelism.context_parallel_degree "
+                              "> 1 (the MTP shift crosses the sequence shards); set --model.mtp_depth 0 or "
+                              "--parallelism.context_parallel_degree 1")
         if not self.chunked_ce:
             return
         if root.model.mtp_depth > 0:

@@ -292,10 +292,12 @@ class BlockProbe:
 
 def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, batch: int, seq: int,
                 dtype: torch.dtype, ac_cfg, extra_save_ops=(), force_recompute_fqns=(), tp: int = 1,
-                layer_id: int = 0, autocast: torch.dtype | None = None) -> BlockProbe:
+                layer_id: int = 0, autocast: torch.dtype | None = None, cp: int = 1,
+                cp_method: str = "allgather") -> BlockProbe:
     """Saved bytes and backward transient of one block under `mode` (none/full/op) at
     [batch, seq, dim] with params in `dtype` (forward under `autocast` if given), with
-    fake tensors."""
+    fake tensors. With `cp` > 1, `seq` is the rank's seq_len / cp and the block runs the
+    CP plan's attention (gathered K/V or head-sharded q/k/v included)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.checkpoint import checkpoint
 
@@ -303,6 +305,11 @@ def probe_block(block_meta: nn.Module, rope_meta: torch.Tensor, *, mode: str, ba
 
     with FakeTensorMode(allow_non_fake_inputs=False):
         block = _fake_copy(block_meta, dtype, tp)
+        if cp > 1:
+            from parallelisms.context_parallel import CP_SAVE_OPS, install_memory_probe
+
+            install_memory_probe(block, cp, cp_method)
+            extra_save_ops = frozenset(extra_save_ops) | CP_SAVE_OPS
         dim = _model_dim(block_meta)
         x = torch.empty(batch, seq, dim, dtype=dtype, requires_grad=True)
         rope = torch.zeros(tuple(rope_meta.shape), dtype=rope_meta.dtype)[:seq]
@@ -490,7 +497,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         n_mb = t.local_batch_size // mb
     else:
         mb, n_mb = t.local_batch_size, 1
-    seq = t.seq_len
+    seq = t.seq_len // layout.cp  # the tokens of each sequence this rank holds (context parallel)
     grad_accum = 1
     if t.global_batch_size > 0:
         grad_accum = max(1, t.global_batch_size // (t.local_batch_size * layout.dp_replicate * layout.dp_shard))
@@ -539,7 +546,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
             probes[kind] = probe_block(blk, rope, mode=modes[lid], batch=mb, seq=seq, dtype=dtype, ac_cfg=ac,
                                        extra_save_ops=spec.sac_save_ops,
                                        force_recompute_fqns=spec.sac_force_recompute_fqns, tp=layout.tp,
-                                       layer_id=lid, autocast=autocast)
+                                       layer_id=lid, autocast=autocast, cp=layout.cp,
+                                       cp_method=par.context_parallel_method)
     # EP: the probed block holds all routed experts; this rank holds E/ep of them. The
     # expert-sized part of the backward transient (weight grads and their temporaries) is
     # found from a second probe with E/2 experts and scaled linearly to E/ep.
@@ -587,6 +595,10 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         activations = sum(stage_bytes)
         in_flight = 1.0
     activations += mb * seq * 8  # the embedding keeps the token ids
+    if device == "cpu" and layout.cp > 1:
+        from parallelisms.context_parallel import cpu_mask_bytes
+
+        activations += cpu_mask_bytes(t.seq_len, layout.cp, par.context_parallel_method, esize)
     blocks_on_rank = len(layer_ids_rank0)
 
     # ---- logits / loss ----
@@ -704,7 +716,7 @@ def format_estimate(est: MemoryEstimate) -> str:
     L = est.layout
     lines = [
         f"memory estimate: {est.model}{' (' + est.config + ')' if est.config else ''}, per rank, {est.device}",
-        f"  world {est.world_size}: dp_replicate {L.dp_replicate} x dp_shard {L.dp_shard} x tp {L.tp} x pp {L.pp}"
+        f"  world {est.world_size}: dp_replicate {L.dp_replicate} x dp_shard {L.dp_shard} x cp {L.cp} x tp {L.tp} x pp {L.pp}"
         f" (ep {L.ep}); compute dtype {est.compute_dtype}{' (FSDP mixed precision)' if L.fsdp else ''}",
         f"  tokens per microbatch {est.tokens_per_microbatch}; AC {est.ac_mode}; chunked CE "
         f"{'on' if est.chunked_ce else 'off'}; blocks on the busiest rank {est.blocks_on_rank}"

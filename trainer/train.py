@@ -149,7 +149,8 @@ class Trainer:
         if self.rank == 0:
             logger.info(f"model {model_label(cfg)}: {self.num_params:,} params, "
                         f"{self.flops_per_token:,.0f} FLOPs/token; world {tdist.world_size()} "
-                        f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}, "
+                        f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, cp {self.dims.cp}, "
+                        f"tp {self.dims.tp}, "
                         f"pp {self.dims.pp}, ep {self.dims.ep}); {self.device.type}/{self.backend or 'single'}, "
                         f"param dtype {self.precision.param}; global batch {self.global_batch_size} = local "
                         f"{t.local_batch_size} x dp {self.dp_degree} x accum {self.grad_accum_steps}; "
@@ -157,8 +158,13 @@ class Trainer:
 
     # ---- one optimizer step ----
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [tuple(x.to(self.device, non_blocking=True) for x in next(self.data_iter))
-                for _ in range(self.grad_accum_steps)]
+        batches = [tuple(x.to(self.device, non_blocking=True) for x in next(self.data_iter))
+                   for _ in range(self.grad_accum_steps)]
+        if self.dims.cp > 1:  # CP ranks share the batch; each keeps its two chunks of every sequence
+            from parallelisms.context_parallel import shard_microbatch
+
+            batches = [shard_microbatch(inputs, labels, self.dims.mesh("cp")) for inputs, labels in batches]
+        return batches
 
     def count_global_tokens(self, batches) -> torch.Tensor:
         """Valid (non-ignored) label tokens of the whole global batch: every microbatch, every data

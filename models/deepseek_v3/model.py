@@ -90,6 +90,10 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        # Identity hook point on the per-token latent [B, S, kv_lora_rank + rope] that every
+        # head's k and v are expanded from: context parallelism gathers the sequence there
+        # (576 values per token for V3, instead of the 40960 of the expanded k and v).
+        self.kv_latent = nn.Identity()
         self.sdpa = SDPA(scale=self.softmax_scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -101,10 +105,13 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
 
         kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # [B, S, 1, rope]
-        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.nope_dim + self.v_head_dim)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope).squeeze(2)  # [B, S, rope]
+        latent = self.kv_latent(torch.cat([self.kv_norm(kv), k_rope], dim=-1))  # [B, S_kv, kv_lora_rank + rope]
+        kv_len = latent.shape[1]  # S, or more keys than queries when kv_latent gathers them
+        kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.wkv_b(kv).view(bsz, kv_len, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
