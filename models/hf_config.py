@@ -62,6 +62,67 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
         raise HFConfigError(f"hf error: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def spec_for_hf_config(cfg: dict[str, Any], where: str = "config.json"):
+    """The ModelSpec whose HF adapter reads `cfg`'s model_type (one line when none does)."""
+    from models import MODEL_SPECS
+
+    model_type = cfg.get("model_type")
+    for spec in MODEL_SPECS.values():
+        if spec.state_dict_adapter is not None and model_type in spec.state_dict_adapter.reads_model_types():
+            return spec
+    known = sorted(t for s in MODEL_SPECS.values() if s.state_dict_adapter
+                   for t in s.state_dict_adapter.reads_model_types())
+    raise HFConfigError(f"hf error: {where}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def model_from_hf_folder(folder: str | Path) -> tuple[str, Any]:
+    """(model spec name, model args) that an HF folder's config.json describes: what
+    `--model.hf_path` builds (trainer/model_args.py applies the config overrides)."""
+    cfg = read_hf_config(folder)
+    spec = spec_for_hf_config(cfg, f"{Path(folder) / 'config.json'}")
+    return spec.name, spec.state_dict_adapter.args_from_hf(cfg)
+
+
+def matching_flavors(spec, args) -> list[str]:
+    """Flavors of `spec` with the same shape and math as `args` (by the adapter's signature)."""
+    sig = spec.state_dict_adapter.signature
+    return [name for name, a in spec.flavors.items() if sig(a) == sig(args)]
+
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def fp8_block_size(cfg: dict[str, Any], where: str) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-quantized checkpoint (DeepSeek V3's
+    `quantization_config`: quant_method fp8, weight_block_size [128, 128]); None when the
+    folder is not quantized. Any other quantization is refused in one line."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    require(isinstance(q, dict), f"{where}: quantization_config must be a dict")
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
+        raise HFConfigError(f"hf error: {where}: quantization {method!r} (weight_block_size {block}) is not "
+                            "supported; only FP8 block-quantized weights (quant_method fp8 with a 2-D "
+                            "weight_block_size) are dequantized on import")
+    require(q.get("fmt", "e4m3") == "e4m3", f"{where}: FP8 format {q.get('fmt')!r} is not supported (only e4m3)")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, region: tuple[slice, slice],
+                         block: tuple[int, int]) -> torch.Tensor:
+    """fp32 `weight * scale` for the rows/cols `region` of a block-quantized tensor.
+
+    `weight` is that region of the FP8 tensor; `scale_inv` holds the scales of the blocks
+    the region touches, starting at block (region rows.start // br, cols.start // bc).
+    Blocks at the right / bottom edge may be partial: their scale covers what is there."""
+    (rows, cols), (br, bc) = region, block
+    r = torch.arange(rows.start, rows.stop) // br - rows.start // br
+    c = torch.arange(cols.start, cols.stop) // bc - cols.start // bc
+    return weight.to(torch.float32) * scale_inv.to(torch.float32)[r][:, c]
+
+
 def check_known_fields(cfg: dict[str, Any], known: Iterable[str], where: str) -> None:
     """Raises one line naming every field of `cfg` that is neither in `known` nor generic."""
     unknown = sorted(set(cfg) - set(known) - GENERIC_HF_FIELDS)
@@ -158,6 +219,35 @@ class Same(Recipe):
         return {self.hf_keys[0]: t}
 
 
+class SameWithCopies(Same):
+    """native == hf_key; the export also writes identical copies under `copies` (DeepSeek
+    MTP layers store the shared embedding and head again). Import reads only hf_key."""
+
+    def __init__(self, hf_key: str, copies: Iterable[str]):
+        super().__init__(hf_key)
+        self.copies = list(copies)
+
+    def to_hf(self, t):
+        return {k: t for k in [self.hf_keys[0], *self.copies]}
+
+
+class Absent(Recipe):
+    """A native tensor this HF format does not store (DeepSeek V2 has no routing bias): it
+    loads as zeros, and exports nothing (the adapter's `check_exportable` refuses a
+    non-zero one)."""
+
+    hf_keys: list[str] = []
+
+    def hf_shapes(self, native_shape):
+        return {}
+
+    def load(self, get, region):
+        return torch.zeros(region_shape(region))
+
+    def to_hf(self, t):
+        return {}
+
+
 class RowPermuted(Recipe):
     """native[i] = hf[perm[i]] along dim 0 (e.g. interleaved -> rotate-half RoPE rows)."""
 
@@ -227,6 +317,33 @@ class HFStateDictAdapter:
     model_type: str = ""
     architecture: str = ""
     model_cls: Callable[[Any], torch.nn.Module]
+    # Other HF model_types this adapter (or a subclass it picks) reads, e.g. deepseek_v2.
+    also_reads: tuple[str, ...] = ()
+
+    @classmethod
+    def reads_model_types(cls) -> tuple[str, ...]:
+        return (cls.model_type, *cls.also_reads)
+
+    @classmethod
+    def for_args(cls, args: Any, hf_cfg: dict[str, Any] | None = None) -> "HFStateDictAdapter":
+        """The adapter for these args and (when importing) this HF config; a subclass may
+        pick another HF architecture here (DeepSeek: softmax routing is DeepSeek V2)."""
+        return cls(args, hf_cfg)
+
+    @classmethod
+    def hf_mtp_layers(cls, cfg: dict[str, Any]) -> int:
+        """Multi-token-prediction layers stored in a folder with this config.json."""
+        return 0
+
+    def check_exportable(self, sd: dict[str, torch.Tensor]) -> str | None:
+        """Why (some of) these native tensors cannot be written in this HF format, or None."""
+        return None
+
+    def export_problem(self, trained: bool = False) -> str | None:
+        """Why a model with these args could not be written in this HF format, or None;
+        `trained`: also what training it would break (checked at config time when
+        `checkpoint.last_save_in_hf` is set, before any step runs)."""
+        return None
 
     def __init__(self, args: Any, hf_cfg: dict[str, Any] | None = None):
         self.args = args
@@ -251,8 +368,9 @@ class HFStateDictAdapter:
         raise NotImplementedError
 
     def is_ignored_hf_key(self, key: str) -> bool:
-        """HF keys that may be present but that we drop (e.g. rotary inv_freq buffers)."""
-        return key.endswith("rotary_emb.inv_freq")
+        """HF keys that may be present but that we drop (rotary inv_freq buffers; FP8 block
+        scales, which the reader applies to their weights)."""
+        return key.endswith(("rotary_emb.inv_freq", "_scale_inv"))
 
     # ---- generic ----
     def native_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -31,7 +31,9 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     # `_expert_fsdp_mesh`: they are sharded first, over the ranks that share their EP shard
     # (dp_shard x cp x tp / ep), or, when there are none, left out of FSDP altogether.
     ignored: set = set()
-    for block in model.layers.values():
+    # A model's extra modules that hold a block each (DeepSeek's MTP layers) are sharded like blocks.
+    mtp = getattr(model, "mtp", None)
+    for block in [*model.layers.values(), *(mtp.values() if mtp is not None else ())]:
         for sub in block.modules():
             if not hasattr(sub, "_expert_fsdp_mesh"):
                 continue

@@ -1,5 +1,7 @@
 """Config precedence, validation errors and --help."""
 
+import json
+import tomllib
 import subprocess
 import sys
 from pathlib import Path
@@ -77,11 +79,19 @@ def test_toml_errors(tmp_path):
         load_config(["--config", str(bad_type)])
 
 
-def test_every_shipped_config_loads_by_name():
+def test_every_shipped_config_loads_by_name(tmp_path):
     names = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
     assert {"llama_debug.toml", "llama8b.toml", "llama70b.toml", "llama405b.toml"} <= set(names)
+    # Configs that start from an HF folder (model.hf_path) read its config.json: stand in a copy
+    # of Llama-3.1-8B's (only config.json is read when the config loads).
+    from models.llama3 import LLAMA3_FLAVORS
+    from models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    (tmp_path / "config.json").write_text(json.dumps(Llama3StateDictAdapter(LLAMA3_FLAVORS["8B"]).hf_config()))
     for name in names:
-        cfg = load_config(["--config", name])
+        table = tomllib.loads((CONFIG_DIR / name).read_text())
+        hf = ["--model.hf_path", str(tmp_path)] if "hf_path" in table.get("model", {}) else []
+        cfg = load_config(["--config", name, *hf])
         assert cfg.job.config_file.endswith(name)
 
 

@@ -73,8 +73,32 @@ def _legacy_rope(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
+def build_hf_tokenizer(folder: Path, vocab: int, *, bos: str = "<|begin_of_text|>",
+                       eos: str = "<|end_of_text|>") -> Path:
+    """A real byte-level BPE `tokenizer.json` of `vocab` - 8 ids (so that it fits a model of
+    `vocab`), trained with the `tokenizers` library on a slice of the builtin corpus, plus
+    the tokenizer_config.json naming its BOS / EOS (as HF folders have)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from trainer.data.builtin_corpus import builtin_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [bos, eos, "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 8, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(builtin_documents(max_files=40), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos, "pad_token": "<|pad|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
 def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True, tied: bool = False,
-                   legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0) -> Path:
+                   legacy: bool = False, vocab: int = 256, layers: int = 2, seed: int = 0,
+                   tokenizer: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # Legacy kwargs (rope_theta + rope_scaling) work in every transformers release; v5 saves them
@@ -96,11 +120,13 @@ def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True,
     model.save_pretrained(folder)
     if legacy:
         _legacy_rope(folder)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab)
     return folder
 
 
 def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, legacy: bool = False,
-                      vocab: int = 256, seed: int = 0) -> Path:
+                      vocab: int = 256, seed: int = 0, tokenizer: bool = False) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     scaling = None
@@ -116,8 +142,15 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
         n_group=4 if q_lora else 1, topk_group=2 if q_lora else 1, norm_topk_prob=q_lora,
         routed_scaling_factor=2.5 if q_lora else 1.0, n_shared_experts=1 if q_lora else 2,
         rope_theta=10000.0, rope_scaling=scaling, num_nextn_predict_layers=0)
+    folder = _save_random_deepseek(DeepseekV3ForCausalLM, cfg, folder, seed, legacy)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab, bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>")
+    return folder
+
+
+def _save_random_deepseek(model_cls, cfg, folder: Path, seed: int, legacy: bool) -> Path:
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
+    model = model_cls(cfg)
     _make_weights_matter(model, ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"), seed)
     model.save_pretrained(folder)
     if legacy:
@@ -125,11 +158,117 @@ def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, l
     return folder
 
 
+def build_hf_deepseek_v2(folder: Path, *, grouped: bool = False, legacy: bool = False, vocab: int = 256,
+                         seed: int = 0) -> Path:
+    """A random DeepSeek V2 (softmax routing, no routing bias, YaRN with mscale 0.707 like
+    V2-Lite): greedy top-k, or group-limited greedy with `grouped`."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+               "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+    cfg = DeepseekV2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None if not grouped else 48, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+        topk_method="group_limited_greedy" if grouped else "greedy", n_group=4 if grouped else None,
+        topk_group=2 if grouped else None, routed_scaling_factor=1.5, n_shared_experts=2, norm_topk_prob=False,
+        rope_theta=10000.0, rope_scaling=scaling)
+    return _save_random_deepseek(DeepseekV2ForCausalLM, cfg, folder, seed, legacy)
+
+
+def add_hf_mtp_layers(folder: Path, depth: int = 1, seed: int = 5) -> Path:
+    """Appends `depth` DeepSeek V3 MTP layers to an HF folder in the hub layout
+    (`model.layers.{n_layers + k}.*`: enorm, hnorm, eh_proj, a MoE block, shared_head.norm,
+    and copies of the embedding and head), random weights, num_nextn_predict_layers set.
+    transformers ignores these layers (it has no MTP)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    sd = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."  # a MoE layer: the MTP block has the same keys
+    dim = cfg["hidden_size"]
+    for k in range(depth):
+        p = f"model.layers.{n + k}."
+        for key in [x for x in sd if x.startswith(last)]:
+            t = sd[key]
+            if key.endswith("norm.weight"):
+                new = 1 + 0.3 * torch.randn(t.shape, generator=g)
+            elif key.endswith("e_score_correction_bias"):
+                new = 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                new = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+            sd[p + key.removeprefix(last)] = new.to(t.dtype)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            sd[f"{p}{name}.weight"] = 1 + 0.3 * torch.randn(dim, generator=g)
+        sd[f"{p}eh_proj.weight"] = torch.randn(dim, 2 * dim, generator=g) / math.sqrt(2 * dim)
+        sd[f"{p}embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+        sd[f"{p}shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = depth
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def _is_fp8_weight(key: str, t: torch.Tensor) -> bool:
+    """The tensors DeepSeek V3's published checkpoint stores in FP8: every linear weight but
+    the embedding, the head and the router."""
+    return t.ndim == 2 and not key.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
+                                             "shared_head.head.weight"))
+
+
+def reference_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block dequantization written independently of the loader: each scale repeated over
+    its block, the repeats cut at the (partial) edges."""
+    rows, cols = q.shape
+    scale = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return q.to(torch.float32) * scale
+
+
+def quantize_hf_folder_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
+    """`src` quantized the way DeepSeek V3 ships (float8_e4m3fn weights, one fp32
+    `weight_scale_inv` per block, amax / 448), and its twin: the same folder with the
+    reference dequantization of those weights in fp32. Returns (fp8 folder, twin)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src / "model.safetensors"))
+    fp8, twin = {}, {}
+    for k, v in sd.items():
+        if not _is_fp8_weight(k, v):
+            fp8[k] = twin[k] = v
+            continue
+        rows, cols = v.shape
+        nb = (-(-rows // block[0]), -(-cols // block[1]))
+        scale = torch.empty(nb, dtype=torch.float32)
+        q = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
+        for i in range(nb[0]):
+            for j in range(nb[1]):
+                r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+                scale[i, j] = v[r, c].abs().amax().clamp_min(1e-12) / 448.0
+                q[r, c] = (v[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+        fp8[k], fp8[k + "_scale_inv"] = q, scale
+        twin[k] = reference_dequantize(q, scale, block)
+    cfg = json.loads((src / "config.json").read_text())
+    for folder, tensors in ((dst / "fp8", fp8), (dst / "twin", twin)):
+        shutil.copytree(src, folder)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    (dst / "fp8" / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2))
+    return dst / "fp8", dst / "twin"
+
+
 CASES = {
     "llama_gqa_llama3rope": lambda d: build_hf_llama(d, gqa=True, rope_scaling=True),
     "llama_mha_tied_legacycfg": lambda d: build_hf_llama(d, gqa=False, rope_scaling=False, tied=True, legacy=True),
     "deepseek_qlora_yarn": lambda d: build_hf_deepseek(d, q_lora=True, yarn=True),
     "deepseek_noqlora_legacycfg": lambda d: build_hf_deepseek(d, q_lora=False, yarn=True, legacy=True),
+    # Softmax routing (our 16B flavor's) lives in HF's DeepSeek V2.
+    "deepseek_v2_greedy": lambda d: build_hf_deepseek_v2(d, grouped=False),
+    "deepseek_v2_grouped_legacycfg": lambda d: build_hf_deepseek_v2(d, grouped=True, legacy=True),
 }
 
 
@@ -187,9 +326,10 @@ def test_import_export_logits_parity(case, hf_dirs, tmp_path):
     import_diff = (ours - ref).abs().max().item()
     assert ref.std() > 0.5, "logits too flat to test anything"
 
-    if case.startswith("deepseek"):  # routing matters: some expert gets nothing, others do
+    if case.startswith("deepseek"):  # routing matters: loads differ (V3: some expert gets nothing)
         counts = torch.stack([b for n, b in model.named_buffers() if n.endswith("tokens_per_expert")])
-        assert (counts == 0).any() and (counts > 0).sum() > counts.shape[0] * 2
+        assert (counts > 0).sum() > counts.shape[0] * 2 and counts.float().std(dim=1).min() > 2
+        assert (counts == 0).any() or case.startswith("deepseek_v2")
 
     out = tmp_path / "export"
     save_hf([model], out, dtype=torch.float32)
@@ -330,7 +470,12 @@ def test_config_current_and_legacy_rope_agree():
     ("deepseek", _ds_cfg(rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}),
      "cos/sin"),
     ("deepseek", _ds_cfg(quantization_config={"quant_method": "fp8"}), "dequantize"),
-    ("deepseek", _ds_cfg(model_type="deepseek_v2"), "model_type"),
+    ("deepseek", _ds_cfg(quantization_config={"quant_method": "gptq", "bits": 4}), "'gptq'"),
+    ("deepseek", _ds_cfg(quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
+     "e5m2"),
+    ("deepseek", _ds_cfg(model_type="deepseek_v2", scoring_func="sigmoid"), "scoring_func"),
+    ("deepseek", _ds_cfg(model_type="deepseek_v2", scoring_func="softmax", num_nextn_predict_layers=1), "multi-token"),
+    ("deepseek", _ds_cfg(model_type="qwen2_moe"), "model_type"),
 ])
 def test_config_unsupported_fields_one_line_error(adapter, cfg, needle):
     from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
@@ -344,14 +489,16 @@ def test_config_unsupported_fields_one_line_error(adapter, cfg, needle):
 
 
 @pytest.mark.parametrize("model,flavor", [("llama3", "debug"), ("llama3", "8B"), ("llama3", "70B"),
-                                          ("llama3", "405B"), ("deepseek_v3", "debug"), ("deepseek_v3", "671B")])
+                                          ("llama3", "405B"), ("deepseek_v3", "debug"), ("deepseek_v3", "671B"),
+                                          ("deepseek_v3", "16B")])
 def test_args_config_roundtrip_published_flavors(model, flavor):
-    """args -> HF config.json -> args gives back the published flavor itself."""
+    """args -> HF config.json -> args gives back the published flavor itself (16B: as deepseek_v2)."""
     from models import get_model_spec
 
     spec = get_model_spec(model)
     args = spec.flavors[flavor]
-    cfg = json.loads(json.dumps(spec.state_dict_adapter(args).hf_config()))
+    cfg = json.loads(json.dumps(spec.state_dict_adapter.for_args(args).hf_config()))
+    assert cfg["model_type"] == {"llama3": "llama", "deepseek_v3": "deepseek_v2" if flavor == "16B" else "deepseek_v3"}[model]
     assert spec.state_dict_adapter.args_from_hf(cfg) == args
 
 
@@ -387,6 +534,22 @@ def test_published_config_shapes():
 
     args = DS.args_from_hf(ds_v3)
     assert DS.signature(args) == DS.signature(DEEPSEEK_V3_FLAVORS["671B"]) and args.max_seq_len == 163840
+    # DeepSeek-V2-Lite (softmax routing) is the 16B flavor; config.json as published.
+    v2_lite = {"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+               "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+               "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+               "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+               "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+               "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+               "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+               "use_cache": True, "v_head_dim": 128, "vocab_size": 102400, "ep_size": 1}
+    args = DS.args_from_hf(v2_lite)
+    assert DS.signature(args) == DS.signature(DEEPSEEK_V3_FLAVORS["16B"]) and args.max_seq_len == 163840
 
 
 # --------------------------------------------------------------------------- errors
@@ -428,3 +591,58 @@ def test_config_mismatch_names_the_fields_and_flavor(tmp_path):
         load_hf_into_model([model], out)
     msg = str(e.value)
     assert "dim: 64 != 256" in msg and "--model.flavor debug_small" in msg and "\n" not in msg
+
+
+# --------------------------------------------------------------------------- FP8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", [(128, 128), (32, 24)])
+def test_fp8_block_quantized_import(block, hf_dirs, tmp_path):
+    """DeepSeek V3's FP8 layout (weight in float8_e4m3fn, weight_scale_inv per block, partial
+    edge blocks) is dequantized on import: exactly the reference dequantization (whole
+    tensors and any region), and the original weights within float8 rounding."""
+    from safetensors.torch import load_file
+
+    src = hf_dirs["deepseek_qlora_yarn"]
+    fp8, twin = quantize_hf_folder_fp8(src, tmp_path, block)
+    orig = load_file(str(src / "model.safetensors"))
+    quantized = [k for k, v in orig.items() if _is_fp8_weight(k, v)]
+    assert any(v.shape[0] % block[0] or v.shape[1] % block[1] for k, v in orig.items() if k in quantized)
+
+    reader, ref = HFReader(fp8), HFReader(twin)
+    g = torch.Generator().manual_seed(0)
+    for k in quantized:
+        got = reader.full(k)
+        assert got.dtype == torch.float32 and torch.equal(got, ref.full(k)), k
+        # float8 e4m3: 3 mantissa bits (relative error <= 2^-4), subnormals down to 2^-9 of the scale.
+        scale = load_file(str(fp8 / "model.safetensors"))[k + "_scale_inv"]
+        scale = scale.repeat_interleave(block[0], 0)[:got.shape[0]].repeat_interleave(block[1], 1)[:, :got.shape[1]]
+        assert ((got - orig[k]).abs() <= orig[k].abs() * 2**-4 + scale * 2**-9).all(), k
+        r0, c0 = (int(torch.randint(0, n, (1,), generator=g)) for n in got.shape)
+        r1, c1 = (int(torch.randint(a + 1, n + 1, (1,), generator=g)) for a, n in zip((r0, c0), got.shape))
+        assert torch.equal(reader.get(k, (slice(r0, r1), slice(c0, c1))), got[r0:r1, c0:c1]), k
+
+    # The whole import (trainer path) gives the twin's model, bitwise.
+    _, _, sd_fp8 = load_hf_state_dict(fp8)
+    _, _, sd_twin = load_hf_state_dict(twin)
+    assert sd_fp8.keys() == sd_twin.keys() and all(torch.equal(sd_fp8[k], sd_twin[k]) for k in sd_fp8)
+    tokens = tokens_for(256)
+    with torch.no_grad():
+        assert torch.equal(our_model_from_hf(fp8)(tokens), our_model_from_hf(twin)(tokens))
+
+
+def test_softmax_model_exports_as_deepseek_v2_only_with_its_bias_at_zero(hf_dirs, tmp_path):
+    """A softmax-routed model (the 16B flavor's routing) exports as HF deepseek_v2; a routing
+    bias that moved (aux-loss-free balancing) has no place there: one line, nothing written."""
+    src = hf_dirs["deepseek_v2_greedy"]
+    spec, args, sd = load_hf_state_dict(src)
+    assert args.score_func == "softmax" and all(not v.any() for k, v in sd.items() if k.endswith("expert_bias"))
+    save_hf_state_dict(sd, spec, args, tmp_path / "ok")
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["model_type"] == "deepseek_v2"
+    sd["layers.1.moe.expert_bias"] = sd["layers.1.moe.expert_bias"] + 1e-3
+    with pytest.raises(HFConfigError) as e:
+        save_hf_state_dict(sd, spec, args, tmp_path / "moved")
+    msg = str(e.value)
+    assert "\n" not in msg and "layers.1.moe.expert_bias" in msg and "--moe.bias_update_rate 0" in msg
+    assert not (tmp_path / "moved").exists()

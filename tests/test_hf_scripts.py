@@ -12,8 +12,9 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.helpers import REPO, TINY, run_in_process  # noqa: E402
-from tests.test_hf_models import build_hf_deepseek, build_hf_llama, hf_logits, load_hf_model, tokens_for  # noqa: E402
-from trainer.hf_io import HFReader, register_hf_flavor  # noqa: E402
+from tests.test_hf_models import (add_hf_mtp_layers, build_hf_deepseek, build_hf_llama, hf_logits,  # noqa: E402
+                                  load_hf_model, tokens_for)
+from trainer.hf_io import HFReader  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_checkpoint  # noqa: E402
@@ -22,23 +23,22 @@ import generate as gen_script  # noqa: E402
 
 @pytest.mark.timeout(120)
 def test_hf_to_dcp_to_hf_roundtrip_is_exact(tmp_path):
-    from models import get_model_spec
-
-    src = build_hf_deepseek(tmp_path / "hf", q_lora=True, yarn=True)
-    assert convert_checkpoint.main(["hf-to-dcp", str(src), str(tmp_path / "dcp")]) == 0
+    """An HF folder with an MTP layer -> DCP (with the MTP layer) -> HF via --model.hf_path:
+    the same tensors (MTP copies of the embedding and head included), tokenizer files copied."""
+    src = add_hf_mtp_layers(build_hf_deepseek(tmp_path / "hf", q_lora=True, yarn=True, vocab=512, tokenizer=True))
+    assert convert_checkpoint.main(["hf-to-dcp", str(src), str(tmp_path / "dcp"), "--model.mtp_depth", "1"]) == 0
     assert (tmp_path / "dcp" / ".metadata").is_file()
-    name, flavor = register_hf_flavor(src, "hf_roundtrip_test")
-    try:
-        assert convert_checkpoint.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"),
-                                        "--model", name, "--flavor", flavor]) == 0
-    finally:
-        get_model_spec(name).flavors.pop(flavor)
+    assert convert_checkpoint.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"),
+                                    "--model.hf_path", str(src)]) == 0
     a, b = HFReader(src), HFReader(tmp_path / "back")
-    assert sorted(a.keys()) == sorted(b.keys())
+    assert sorted(a.keys()) == sorted(b.keys()) and any(".layers.3.eh_proj." in k for k in a.keys())
     for k in a.keys():
         assert torch.equal(a.full(k), b.full(k)), k
+    assert (tmp_path / "back" / "tokenizer.json").is_file() and (tmp_path / "back" / "tokenizer_config.json").is_file()
     tokens = tokens_for(256)
     assert (hf_logits(src, tokens) - hf_logits(tmp_path / "back", tokens)).abs().max() == 0
+    # Without --model.hf_path no flavor has these shapes: one line saying what to pass.
+    assert convert_checkpoint.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.timeout(180)
@@ -102,3 +102,19 @@ def test_generate_greedy_matches_transformers_and_sampling(tmp_path, capsys):
                             "--temperature", "0.7", "--top_k", "20", "--num_samples", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2 and "def main(" in out
+
+
+@pytest.mark.timeout(120)
+def test_generate_from_hf_path_with_its_tokenizer(tmp_path, capsys):
+    """--model.hf_path: model, weights and tokenizer (tokenizer.json) from the folder; a
+    tokenizer too large for the model is refused with the --tokenizer to use."""
+    src = build_hf_llama(tmp_path / "hf", vocab=512, tokenizer=True)
+    assert gen_script.main(["--model.hf_path", str(src), "--prompt", "Hello", "--max_new_tokens", "4",
+                            "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample 0 (4 tokens) ---\nHello" in out
+    # The repo's debug tokenizer (2048 ids) does not fit this 512-id model.
+    assert gen_script.main(["--model.hf_path", str(src), "--tokenizer", str(REPO / "assets" / "tokenizer"),
+                            "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "2048 tokens but the model only 512" in err and f"--tokenizer {src}" in err

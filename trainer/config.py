@@ -23,6 +23,7 @@ from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
+from trainer.model_args import MoEConfig, check_hf_export, resolve_model
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
 from trainer.profiling import ProfilingConfig
 
@@ -45,10 +46,18 @@ class JobSection:
 class ModelSection:
     """[model]"""
 
-    name: str = opt("llama3", "Model spec name (see models/__init__.py).")
-    flavor: str = opt("debug", "Flavor of the model spec, e.g. debug, 8B, 70B.")
-    tokenizer_path: str = opt(DEFAULT_TOKENIZER, "tiktoken BPE file (base64 token + rank per line), e.g. "
-                              "Llama 3's tokenizer.model.")
+    name: str | None = opt(None, "Model spec name (see models/__init__.py). Default: llama3, or what "
+                           "model.hf_path's config.json holds (its model_type).")
+    flavor: str | None = opt(None, "Flavor of the model spec, e.g. debug, 8B, 70B. Default: debug; with "
+                             "model.hf_path the shape comes from config.json (a flavor given as well must match).")
+    hf_path: str | None = opt(None, "Hugging Face model folder (config.json + safetensors, FP8 included): the "
+                              "model name, shape, initial weights and tokenizer all come from it. The weights "
+                              "load when there is no checkpoint to resume from; checkpoint.enable is not needed.")
+    tokenizer_path: str | None = opt(None, "Tokenizer: an HF tokenizer.json, a tiktoken BPE file (base64 token + "
+                                     "rank per line, e.g. Llama 3's original/tokenizer.model), or a folder with "
+                                     "one. Default: model.hf_path's own, else the repo's debug tokenizer.")
+    mtp_depth: int = opt(0, "DeepSeek V3 multi-token prediction: MTP modules after the main model, each "
+                         "predicting one token further; trained with loss.mtp_weight. 0 = off.", min=0)
 
 
 @dataclass
@@ -91,6 +100,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
@@ -109,9 +119,12 @@ class JobConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Cross-field checks, once: resolve the model, then each section's `validate(root)`,
         then, when the world size is known, the layout against it (`ParallelDims`)."""
-        from trainer.model_args import resolve_model
-
         self.model_spec, self.model_args = resolve_model(self)
+        check_hf_export(self)
+        if self.model.hf_path and self.checkpoint.initial_load_path and not self.checkpoint.enable:
+            raise ConfigError("config error: checkpoint.initial_load_path: read only with checkpoint.enable = true "
+                              "(model.hf_path alone loads the folder's weights); set --checkpoint.enable true or "
+                              "drop it")
         max_seq = getattr(self.model_args, "max_seq_len", None)
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
@@ -214,6 +227,10 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
             raise ConfigError(f"config error: {path} is not valid TOML: {e}") from None
         _apply_table(cfg, table, str(path))
         cfg.job.config_file = str(path)
+        if any((s, k) == ("model", "hf_path") for s, k, _ in overrides):
+            # A command-line HF folder replaces the file's model: its name, shape and tokenizer
+            # come from the folder (ones given on the command line as well are still checked).
+            cfg.model.name = cfg.model.flavor = cfg.model.tokenizer_path = None
     for section, key, value in overrides:
         if (section, key) == ("job", "config_file"):
             continue

@@ -11,13 +11,20 @@ placements, which slices locally without communication. We do not use DCP's Hugg
 our recipes (interleaved-RoPE row permutations, per-expert HF tensors stacked into
 grouped [E, in, out] tensors) are not 1:1 renames, and applying them region by
 region gives the same "read only your shard" property without HF-shaped DTensors.
+FP8 block-quantized weights (DeepSeek V3 on the Hub) are dequantized by `HFReader`,
+region by region too. `load_hf_weights` is the trainer's entry for `--model.hf_path`.
 
 Export (`save_hf`): parameters are gathered one at a time (`full_tensor()`, a
 collective on the parameter's mesh), converted by the recipes, cast to the export
 dtype and written by one rank per distinct set of keys (one per pipeline stage)
 into safetensors shards of bounded size; rank 0 then names the shards
 model-0000k-of-0000N.safetensors (or model.safetensors), writes the index and
-config.json. The result loads with transformers' AutoModelForCausalLM.
+config.json. Before any collective every rank checks that the format can hold what
+it has (DeepSeek V2: no routing bias) and all agree, so a refusal cannot hang the
+others. The result loads with transformers' AutoModelForCausalLM.
+
+One-process helpers for the offline scripts (DCP folders, models from shapes) are in
+trainer/offline_convert.py.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.hf_config import HFConfigError, HFStateDictAdapter, Region, full_region, read_hf_config, region_shape
+from models.hf_config import (FP8_DTYPES, HFConfigError, HFStateDictAdapter, Region,  # noqa: F401
+                              dequantize_fp8_block, fp8_block_size, full_region, matching_flavors,
+                              model_from_hf_folder, read_hf_config, region_shape, spec_for_hf_config)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,48 +65,32 @@ def spec_for_model(model: torch.nn.Module):
     raise HFConfigError(f"hf error: no model spec for {type(model).__name__}")
 
 
-def spec_for_hf_config(cfg: dict[str, Any]):
-    from models import MODEL_SPECS
-
-    model_type = cfg.get("model_type")
-    for spec in MODEL_SPECS.values():
-        if spec.state_dict_adapter is not None and spec.state_dict_adapter.model_type == model_type:
-            return spec
-    known = sorted(s.state_dict_adapter.model_type for s in MODEL_SPECS.values() if s.state_dict_adapter)
-    raise HFConfigError(f"hf error: config.json model_type {model_type!r} is not supported (supported: {known})")
-
-
 def args_from_hf_folder(folder: str | Path):
     """(spec, model args) described by an HF folder's config.json."""
-    cfg = read_hf_config(folder)
-    spec = spec_for_hf_config(cfg)
-    return spec, spec.state_dict_adapter.args_from_hf(cfg)
+    from models import MODEL_SPECS
 
-
-def matching_flavors(spec, args) -> list[str]:
-    sig = spec.state_dict_adapter.signature
-    return [name for name, a in spec.flavors.items() if sig(a) == sig(args)]
-
-
-def register_hf_flavor(folder: str | Path, flavor: str = "hf") -> tuple[str, str]:
-    """Adds the model args of an HF folder's config.json as `flavor` of its spec (in this
-    process) and returns (model name, flavor) for `--model.name/--model.flavor`."""
-    spec, args = args_from_hf_folder(folder)
-    spec.flavors[flavor] = args
-    return spec.name, flavor
+    name, args = model_from_hf_folder(folder)
+    return MODEL_SPECS[name], args
 
 
 # --------------------------------------------------------------------------- reading
 
 
 class HFReader:
-    """Lazy reader of a safetensors folder: single file or sharded with an index."""
+    """Lazy reader of a safetensors folder: single file or sharded with an index.
+
+    FP8 block-quantized weights (DeepSeek V3 on the Hub: `weight` in float8_e4m3fn next to
+    `weight_scale_inv`, one fp32 scale per block) come out dequantized to fp32, region by
+    region: a rank reads only its slice of the FP8 tensor and the few scales covering it."""
 
     def __init__(self, folder: str | Path):
         from safetensors import safe_open
 
         self._safe_open = safe_open
         self.folder = Path(folder)
+        self.fp8_block = None
+        if (self.folder / "config.json").is_file():
+            self.fp8_block = fp8_block_size(read_hf_config(self.folder), f"{self.folder / 'config.json'}")
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -125,11 +118,24 @@ class HFReader:
         return {k: tuple(self._handle(k).get_slice(k).get_shape()) for k in self.weight_map}
 
     def get(self, key: str, region: Region) -> torch.Tensor:
-        """The block `region` of tensor `key`, reading only those bytes."""
-        return self._handle(key).get_slice(key)[tuple(region)]
+        """The block `region` of tensor `key`, reading only those bytes (dequantized if FP8)."""
+        block = self._handle(key).get_slice(key)[tuple(region)]
+        scale_key = key + "_scale_inv"
+        if block.dtype in FP8_DTYPES and scale_key in self.weight_map:
+            if self.fp8_block is None or len(region) != 2:
+                raise HFConfigError(f"hf error: {self.folder}: {key} is FP8 with block scales, but config.json "
+                                    "has no quantization_config with a 2-D weight_block_size")
+            (rows, cols), (br, bc) = region, self.fp8_block
+            scales = self._handle(scale_key).get_slice(scale_key)[
+                rows.start // br: (rows.stop - 1) // br + 1, cols.start // bc: (cols.stop - 1) // bc + 1]
+            block = dequantize_fp8_block(block, scales, region, self.fp8_block)
+        elif block.dtype in FP8_DTYPES:
+            raise HFConfigError(f"hf error: {self.folder}: {key} is {block.dtype} without {scale_key}; only FP8 "
+                                "block-quantized weights (with their scales) can be read")
+        return block
 
     def full(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+        return self.get(key, full_region(self._handle(key).get_slice(key).get_shape()))
 
     def close(self) -> None:
         for h in self._handles.values():
@@ -214,9 +220,10 @@ def _load_into(recipe, value: torch.Tensor, get) -> None:
 def check_hf_matches(spec, args, hf_cfg: dict[str, Any], folder: str | Path) -> None:
     """Raises one line when the folder's config.json describes another model than `args`."""
     adapter_cls = spec.state_dict_adapter
-    if hf_cfg.get("model_type") not in (None, adapter_cls.model_type):
+    if hf_cfg.get("model_type") not in (None, *adapter_cls.reads_model_types()):
         raise HFConfigError(f"hf error: {folder}/config.json is a {hf_cfg.get('model_type')!r} model, not "
-                            f"{adapter_cls.model_type!r} ({spec.name})")
+                            f"{adapter_cls.model_type!r} ({spec.name}); pass --model.hf_path {folder} alone to "
+                            "build the model it holds")
     hf_args = adapter_cls.args_from_hf(hf_cfg)
     diff = adapter_cls(args).mismatches(hf_args)
     if diff:
@@ -235,7 +242,7 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
     args = model_parts[0].args
     hf_cfg = read_hf_config(folder)
     check_hf_matches(spec, args, hf_cfg, folder)
-    adapter: HFStateDictAdapter = spec.state_dict_adapter(args, hf_cfg)
+    adapter: HFStateDictAdapter = spec.state_dict_adapter.for_args(args, hf_cfg)
     reader = HFReader(folder)
     try:
         adapter.check_hf_keys(reader.shapes(), str(folder))
@@ -249,13 +256,36 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
         reader.close()
 
 
-def load_hf_state_dict(folder: str | Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-    """(spec, args, native state dict of whole tensors) of an HF folder (one process)."""
+def load_hf_weights(model_parts: list[torch.nn.Module], folder: str | Path) -> None:
+    """`load_hf_into_model` for `--model.hf_path`: a bad folder is one ConfigError line."""
+    from trainer.configurable import ConfigError
+
+    try:
+        load_hf_into_model(model_parts, folder)
+    except HFConfigError as e:
+        raise ConfigError("config error: model.hf_path: " + str(e).removeprefix("hf error: ")) from None
+
+
+def with_mtp_depth(args, depth: int):
+    """`args` with `depth` MTP modules (unchanged for a model without multi-token prediction)."""
+    import dataclasses
+
+    if depth and "mtp_depth" in {f.name for f in dataclasses.fields(args)}:
+        return dataclasses.replace(args, mtp_depth=depth)
+    return args
+
+
+def load_hf_state_dict(folder: str | Path, mtp_depth: int = 0) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(spec, args, native state dict of whole tensors) of an HF folder (one process), with
+    its first `mtp_depth` multi-token-prediction layers."""
     folder = Path(folder)
     hf_cfg = read_hf_config(folder)
     spec = spec_for_hf_config(hf_cfg)
-    args = spec.state_dict_adapter.args_from_hf(hf_cfg)
-    adapter = spec.state_dict_adapter(args, hf_cfg)
+    args = with_mtp_depth(spec.state_dict_adapter.args_from_hf(hf_cfg), mtp_depth)
+    stored = spec.state_dict_adapter.hf_mtp_layers(hf_cfg)
+    if mtp_depth > stored:
+        raise HFConfigError(f"hf error: {folder} holds {stored} multi-token-prediction layer(s), not {mtp_depth}")
+    adapter = spec.state_dict_adapter.for_args(args, hf_cfg)
     reader = HFReader(folder)
     try:
         adapter.check_hf_keys(reader.shapes(), str(folder))
@@ -290,7 +320,7 @@ def _barrier() -> None:
 
 
 def _write_hf(items: Iterable[tuple[str, torch.Tensor]], adapter: HFStateDictAdapter, folder: Path,
-              dtype: torch.dtype, writer: bool, max_shard_bytes: int) -> None:
+              dtype: torch.dtype, writer: bool, max_shard_bytes: int, config: dict[str, Any]) -> None:
     """Converts (native key, whole tensor) items and writes them (on writer ranks) as
     safetensors shards; then rank 0 names the shards and writes index + config."""
     from safetensors.torch import save_file
@@ -341,7 +371,7 @@ def _write_hf(items: Iterable[tuple[str, torch.Tensor]], adapter: HFStateDictAda
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (folder / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2) + "\n")
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _barrier()
 
 
@@ -359,9 +389,16 @@ def save_hf(model_parts: list[torch.nn.Module], folder: str | Path, *, dtype: to
     """Exports model parts (any layout; call on every rank) as an HF folder."""
     folder = Path(folder)
     spec = spec_for_model(model_parts[0])
-    adapter = spec.state_dict_adapter(model_parts[0].args)
+    adapter = spec.state_dict_adapter.for_args(model_parts[0].args)
     rank, _ = _rank_world()
     keys = sorted(k for part in model_parts for k in get_model_state_dict(part))
+    # Every rank checks what it holds unsharded (e.g. routing biases) and all agree, so that
+    # a refusal stops every rank before any collective of the export.
+    local = {k: v for part in model_parts for k, v in get_model_state_dict(part).items() if not isinstance(v, DTensor)}
+    problems = [p for p in _all_gather_object(adapter.check_exportable(local)) if p]
+    if problems:
+        raise HFConfigError(problems[0])
+    config = adapter.hf_config(dtype)  # raises, on every rank alike, for a model this format cannot hold
     owners = _all_gather_object((rank, keys))
     writer = rank == min(r for r, ks in owners if ks == keys)
     _prepare_folder(folder)
@@ -371,72 +408,20 @@ def save_hf(model_parts: list[torch.nn.Module], folder: str | Path, *, dtype: to
             for k, v in get_model_state_dict(part).items():
                 yield k, (v.full_tensor() if isinstance(v, DTensor) else v)
 
-    _write_hf(items(), adapter, folder, dtype, writer, max_shard_bytes)
+    _write_hf(items(), adapter, folder, dtype, writer, max_shard_bytes, config)
 
 
 def save_hf_state_dict(sd: dict[str, torch.Tensor], spec, args, folder: str | Path, *,
                        dtype: torch.dtype = torch.float32, max_shard_bytes: int = 4 << 30) -> None:
     """Writes a native state dict of whole tensors as an HF folder (one process)."""
     folder = Path(folder)
-    adapter = spec.state_dict_adapter(args)
+    adapter = spec.state_dict_adapter.for_args(args)
     missing = sorted(set(adapter.native_shapes()) - set(sd))
     if missing:
         raise HFConfigError(f"hf error: the state dict lacks {len(missing)} key(s) of {spec.name}: {missing[:8]}")
+    problem = adapter.check_exportable(sd)
+    if problem:
+        raise HFConfigError(problem)
+    config = adapter.hf_config(dtype)
     _prepare_folder(folder)
-    _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes)
-
-
-# --------------------------------------------------------------------------- DCP (scripts)
-
-
-def dcp_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Native key -> shape of the model weights in a DCP checkpoint folder (step-N)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise HFConfigError(f"hf error: {path} is not a DCP checkpoint folder (no .metadata)")
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-
-
-def load_dcp_model_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model weights of a DCP checkpoint (full or model-only) as whole tensors, in one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    dcp_model_shapes(path)  # raises on a non-DCP folder
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    sd = {k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    return sd
-
-
-def infer_model_from_shapes(shapes: dict[str, tuple[int, ...]], model: str | None = None,
-                            flavor: str | None = None):
-    """(spec, flavor name) whose model has exactly these weight shapes; with `model` /
-    `flavor` given, checks them instead. Raises one line when none or several fit."""
-    from models import MODEL_SPECS, get_model_spec
-
-    specs = [get_model_spec(model)] if model else [s for s in MODEL_SPECS.values() if s.state_dict_adapter]
-    fits = []
-    for spec in specs:
-        for name, args in spec.flavors.items():
-            if flavor and name != flavor:
-                continue
-            if spec.state_dict_adapter(args).native_shapes() == shapes:
-                fits.append((spec, name))
-    if len(fits) == 1:
-        return fits[0]
-    if not fits:
-        wanted = f"{model or '?'} / {flavor or '?'}"
-        raise HFConfigError(f"hf error: no model flavor ({wanted}) has the checkpoint's {len(shapes)} weight "
-                            "shapes; pass --model and --flavor of the run that wrote it")
-    raise HFConfigError(f"hf error: several flavors fit the checkpoint's shapes "
-                        f"({[f'{s.name}/{n}' for s, n in fits]}); pass --model and --flavor")
+    _write_hf(sd.items(), adapter, folder, dtype, True, max_shard_bytes, config)

@@ -111,11 +111,12 @@ def _install_agent_handlers() -> None:
 def check_config(argv: list[str]) -> int:
     from trainer.config import main_guard
     from trainer.configurable import env_value
+    from trainer.model_args import model_label
 
     # The launcher knows the world size: the layout is checked against it too (same code as the workers).
     world = int(env_value("TITAN_CHECK_WORLD_SIZE", "0")) or None
     cfg = main_guard(argv, world_size=world)  # prints `config error: ...` and exits 2 on a bad config
-    print(f"config ok: {cfg.job.config_file or '(defaults)'} model={cfg.model.name}/{cfg.model.flavor} "
+    print(f"config ok: {cfg.job.config_file or '(defaults)'} model={model_label(cfg)} "
           f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
           f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
     return 0

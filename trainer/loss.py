@@ -44,12 +44,25 @@ class LossConfig:
     chunked_ce: bool = opt(False, "Fuse the output projection into a chunked cross entropy that never "
                            "materialises the full [tokens, vocab] logits.")
     ce_chunk_size: int = opt(1024, "Tokens per chunk for chunked_ce.", min=1)
+    mtp_weight: float = opt(0.3, "Weight of the multi-token-prediction loss (model.mtp_depth > 0): loss = main + "
+                            "mtp_weight / depth * sum of the depths' mean token losses (DeepSeek V3: 0.3, later "
+                            "0.1).", min=0.0)
 
     def validate(self, root) -> None:
         from trainer.configurable import ConfigError
 
+        if root.model.mtp_depth >= root.training.seq_len:
+            raise ConfigError(f"config error: model.mtp_depth: {root.model.mtp_depth} MTP depths leave no token to "
+                              f"predict in sequences of {root.training.seq_len}; use a smaller depth")
+        if root.model.mtp_depth > 0 and root.parallelism.context_parallel_degree > 1:
+            raise ConfigError("config error: model.mtp_depth: not supported with parallelism.context_parallel_degree "
+                              "> 1 (the MTP shift crosses the sequence shards); set --model.mtp_depth 0 or "
+                              "--parallelism.context_parallel_degree 1")
         if not self.chunked_ce:
             return
+        if root.model.mtp_depth > 0:
+            raise ConfigError("config error: loss.chunked_ce: not supported with model.mtp_depth > 0 (the MTP depths "
+                              "share the output head); set --loss.chunked_ce false or --model.mtp_depth 0")
         par = root.parallelism
         if par.tensor_parallel_degree > 1:
             raise ConfigError(
@@ -69,6 +82,22 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum")
 
 
+def mtp_targets(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """[depth * B, S]: what MTP depth k (1..depth) predicts at position i, labels[i + k]
+    (the token k + 1 ahead of input i); the last k positions predict nothing."""
+    from models.deepseek_v3.mtp import mtp_targets as targets
+
+    return targets(labels, depth)
+
+
+def count_tokens(labels: torch.Tensor, mtp_depth: int = 0) -> torch.Tensor:
+    """Valid tokens of each loss term of one microbatch: [main, MTP depth 1, ..., depth D]."""
+    b = labels.shape[0]
+    terms = [labels] + ([mtp_targets(labels, mtp_depth)[k * b:(k + 1) * b] for k in range(mtp_depth)]
+                        if mtp_depth else [])
+    return torch.stack([(t != IGNORE_INDEX).sum() for t in terms]).to(torch.float32)
+
+
 class TokenNormalizedLoss:
     """The one training loss: the summed token cross entropy of a microbatch divided by the
     number of valid tokens in the whole global batch.
@@ -77,15 +106,27 @@ class TokenNormalizedLoss:
     `output` is the model's logits, or, with chunked CE, the summed loss its head already
     computed. The divisor belongs to one step and is set only for its duration,
     `with loss_fn.normalized_by(global_tokens): ...`, so it can never leak into another step.
+
+    Multi-token prediction (`mtp_depth` D > 0, models/deepseek_v3/mtp.py): the logits are
+    [(1 + D) * B, S, V], main head first, and
+
+        loss = CE_0 / N_0 + mtp_weight / D * sum_k CE_k / N_k,
+
+    `global_tokens` then holding N_0..N_D (`count_tokens` per microbatch, summed over the
+    global batch), N_k counting the positions depth k can predict. Every returned loss
+    carries its detached terms as `loss.token_terms` ([main, depth 1, ..., depth D], each
+    divided by its count): summed over a step's losses (a pipeline schedule hands back
+    the same tensors, so its shape-inference call does not count) they are what the
+    trainer logs: loss (the main head's, what transformers computes) and mtp_loss.
     """
 
-    def __init__(self, chunked_ce: bool = False):
-        self.chunked_ce = chunked_ce
+    def __init__(self, chunked_ce: bool = False, mtp_depth: int = 0, mtp_weight: float = 0.0):
+        self.chunked_ce, self.mtp_depth, self.mtp_weight = chunked_ce, mtp_depth, mtp_weight
         self._divisor: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def normalized_by(self, global_tokens: torch.Tensor):
-        self._divisor = global_tokens
+        self._divisor = global_tokens.reshape(-1)
         try:
             yield self
         finally:
@@ -94,10 +135,25 @@ class TokenNormalizedLoss:
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self._divisor is None:
             raise RuntimeError("TokenNormalizedLoss called outside normalized_by(global_tokens)")
-        loss_sum = output if self.chunked_ce else cross_entropy_sum(output, labels)
-        if hasattr(loss_sum, "to_local"):  # loss parallel: a replicated DTensor scalar
-            loss_sum = loss_sum.to_local()
-        return loss_sum / self._divisor
+        if self.mtp_depth == 0:
+            loss = _local(output if self.chunked_ce else cross_entropy_sum(output, labels)) / self._divisor[0]
+            loss.token_terms = loss.detach().reshape(1)
+            return loss
+        b = labels.shape[0]
+        if output.shape[0] != (1 + self.mtp_depth) * b:
+            raise RuntimeError(f"multi-token prediction: expected logits for {1 + self.mtp_depth} x {b} rows, got "
+                               f"{output.shape[0]}; the model must be called with mtp_labels")
+        targets = torch.cat([labels, mtp_targets(labels, self.mtp_depth)], dim=0)
+        terms = torch.stack([_local(cross_entropy_sum(output[k * b:(k + 1) * b], targets[k * b:(k + 1) * b]))
+                             for k in range(1 + self.mtp_depth)]) / self._divisor
+        loss = terms[0] + (self.mtp_weight / self.mtp_depth) * terms[1:].sum()
+        loss.token_terms = terms.detach()
+        return loss
+
+
+def _local(loss_sum: torch.Tensor) -> torch.Tensor:
+    """Loss parallel gives a replicated DTensor scalar: its local value is the full loss."""
+    return loss_sum.to_local() if hasattr(loss_sum, "to_local") else loss_sum
 
 
 # ---------------------------------------------------------------------------

@@ -472,13 +472,14 @@ def _ac_kind_modes(mode: str, layer_ids: list[int], interval: int) -> dict[int, 
 def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda", gpus_per_node: int = 8,
                     config_name: str = "") -> MemoryEstimate:
     """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks."""
-    from models import get_model_spec
     from trainer.configurable import ConfigError
+    from trainer.model_args import model_label
 
     world = world_size or default_world_size(cfg.parallelism, gpus_per_node)
     layout = resolve_layout(cfg, world)
-    spec = get_model_spec(cfg.model.name)
-    args = spec.flavors[cfg.model.flavor]
+    if cfg.model_args is None:  # a JobConfig built in code, not by load_config
+        cfg.validate()
+    spec, args = cfg.model_spec, cfg.model_args
     with torch.device("meta"):
         model = spec.model_cls(args)
     t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
@@ -670,7 +671,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         p_bytes = p_bytes_gpu
 
     return MemoryEstimate(
-        config=config_name, model=f"{cfg.model.name} {cfg.model.flavor}", world_size=world, layout=layout,
+        config=config_name, model=model_label(cfg), world_size=world, layout=layout,
         device=device, compute_dtype=str(autocast or dtype).replace("torch.", "") + (" (autocast)" if autocast else ""), ac_mode=mode, chunked_ce=cfg.loss.chunked_ce,
         tokens_per_microbatch=mb * seq, blocks_on_rank=blocks_on_rank, in_flight_microbatches=in_flight,
         params=int(p_bytes), grads=int(grads), optimizer=int(optimizer), fsdp_buffers=int(fsdp_buffers),

@@ -19,15 +19,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.common.moe import set_aux_loss_sequences
 from parallelisms.apply import autocast_context, build_model_parts, resolve_precision
 from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
-from trainer.config import JobConfig, format_config, main_guard
+from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
-from trainer.loss import IGNORE_INDEX, TokenNormalizedLoss, chunked_ce_labels, install_chunked_ce_head
+from trainer.hf_io import load_hf_weights
+from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger
+from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
@@ -48,7 +51,8 @@ def dry_run(cfg: JobConfig) -> dict[str, float]:
     model = build_model(cfg.model_spec, cfg.model_args)
     summary = cfg.model_spec.summary_fn(model, cfg.model_args, cfg.training.seq_len)
     print(format_config(cfg))
-    print(f"model: {cfg.model.name} {cfg.model.flavor}")
+    print(f"model: {model_label(cfg)}")
+    print(f"model args: {describe_args(cfg.model_args)}")
     print(f"parameters: {int(summary['params']):,}")
     if "activated_params" in summary:
         print(f"activated parameters: {int(summary['activated_params']):,}")
@@ -99,24 +103,24 @@ class Trainer:
         from trainer.data import build_dataloader
         from trainer.data.tokenizer import build_tokenizer
 
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        vocab = getattr(self.model_args, "vocab_size")
-        if self.tokenizer.vocab_size > vocab:
-            raise ConfigError(
-                f"config error: model.tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens but "
-                f"{cfg.model.name} {cfg.model.flavor} has vocab_size {vocab}; use a matching tokenizer or flavor")
+        self.tokenizer = build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER))
+        check_tokenizer_fits(self.tokenizer, self.model_args, model_label(cfg))
         self.dataloader = build_dataloader(
             dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
 
         # ---- model: the one assembly path (parallelisms/apply.py) ----
-        self.loss_fn = TokenNormalizedLoss(chunked_ce=cfg.loss.chunked_ce)
+        self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
+        self.loss_fn = TokenNormalizedLoss(chunked_ce=cfg.loss.chunked_ce, mtp_depth=self.mtp_depth,
+                                           mtp_weight=cfg.loss.mtp_weight)
         built = build_model_parts(self.spec, self.model_args, self.dims, cfg, self.device, loss_fn=self.loss_fn,
                                   prepare=lambda model: install_chunked_ce_head(model, cfg.loss))
         self.model_parts, self.pp_schedule = built.parts, built.schedule
         self.has_first_stage, self.has_last_stage = built.has_first_stage, built.has_last_stage
         self.num_params, self.flops_per_token = built.summary["params"], built.summary["flops_per_token"]
         tdist.set_seed(t.seed, t.deterministic)
+        # MoE balance loss: one mean over the sequences of the global batch (a no-op without MoE).
+        set_aux_loss_sequences(self.model_parts, self.global_batch_size)
 
         # ---- optimizer, schedule, checkpoint, metrics ----
         self.optimizers = [build_optimizer(p.parameters(), cfg.optimizer, self.device.type) for p in self.model_parts]
@@ -128,7 +132,11 @@ class Trainer:
             if tdist.world_size() != 1:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
+        resuming = cfg.checkpoint.enable and self.checkpointer.resume_path() is not None
         self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
+        if cfg.model.hf_path and not resuming and not cfg.checkpoint.initial_load_path:
+            # model.hf_path: the folder's weights, unless a checkpoint resumes (or initial_load_path gives others).
+            load_hf_weights(self.model_parts, cfg.model.hf_path)
         # Global rank 0 logs (what run_train.sh shows by default): train_step all-reduces the
         # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm
         # is global, so every rank holds the values it logs.
@@ -139,7 +147,7 @@ class Trainer:
         self.data_iter = iter(self.dataloader)
         gc.disable()
         if self.rank == 0:
-            logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} params, "
+            logger.info(f"model {model_label(cfg)}: {self.num_params:,} params, "
                         f"{self.flops_per_token:,.0f} FLOPs/token; world {tdist.world_size()} "
                         f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, cp {self.dims.cp}, "
                         f"tp {self.dims.tp}, "
@@ -159,8 +167,9 @@ class Trainer:
         return batches
 
     def count_global_tokens(self, batches) -> torch.Tensor:
-        """Valid (non-ignored) label tokens of the whole global batch: every microbatch, every data rank."""
-        local = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(torch.float32)
+        """Valid (non-ignored) label tokens of the whole global batch: every microbatch, every data
+        rank; one count per loss term (the main head, then each MTP depth: `count_tokens`)."""
+        local = sum(count_tokens(labels, self.mtp_depth) for _, labels in batches)
         dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
             dist.all_reduce(local, group=dp_mesh.get_group())
@@ -180,24 +189,29 @@ class Trainer:
             stack.enter_context(autocast_context(self.precision, self.device.type))
             yield
 
+    def forward_kwargs(self, labels: torch.Tensor) -> dict:
+        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
+        return {"mtp_labels": labels} if self.mtp_depth else {}
+
     def forward_backward(self, batches) -> torch.Tensor:
         """Runs every microbatch's forward and backward (or the pipeline schedule); returns
-        this rank's summed normalised loss (0 on pipeline ranks without the last stage)."""
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        this rank's summed normalised loss terms [main, MTP depths...] (`loss.token_terms`;
+        0 on pipeline ranks without the last stage)."""
+        loss_sum = torch.zeros(1 + self.mtp_depth, device=self.device, dtype=torch.float32)
         for inputs, labels in batches:
             if self.pp_schedule is not None:
                 losses: list[torch.Tensor] = []
                 targets = labels if self.has_last_stage else None
                 stage_inputs = (inputs,) if self.has_first_stage else ()
-                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses)
-                if self.has_last_stage:
-                    loss_sum += torch.stack(losses).sum().detach()
+                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
+                for loss in losses:
+                    loss_sum += loss.token_terms
             else:
                 model = self.model_parts[0]
                 with chunked_ce_labels(model, labels):  # no reference to the logits outlives the loss
-                    loss = self.loss_fn(model(inputs), labels)
+                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
                 loss.backward()
-                loss_sum += loss.detach()
+                loss_sum += loss.token_terms
         return loss_sum
 
     def train_step(self, batches, *, with_metrics: bool = True) -> StepResult:
@@ -221,11 +235,13 @@ class Trainer:
         if self.spec.post_optimizer_step_fn is not None:
             for part in self.model_parts:
                 extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
-        # The logged loss is the global mean over valid tokens.
+        # The logged loss is the global mean over valid tokens (the main head's; MTP depths apart).
         dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
-        return StepResult(loss=loss_sum.item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra)
+        if self.mtp_depth:
+            extra["mtp_loss"] = loss_sum[1:].mean().item()
+        return StepResult(loss=loss_sum[0].item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra)
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training

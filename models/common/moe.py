@@ -23,7 +23,9 @@ only; `tokens_per_expert` (a non-persistent buffer) counts the picks during forw
 and `update_moe_load_balance_bias` moves the bias toward balance after each
 optimizer step. An optional sequence-level balance loss (coefficient
 `aux_loss_coeff`) reaches the gradients by itself through `AddAuxLoss`; the trainer
-need not add anything (see `AddAuxLoss`).
+only tells the layers how many sequences one optimizer step holds
+(`set_aux_loss_sequences`), so that the loss is one mean over the global batch
+whatever the layout (see `AddAuxLoss`).
 """
 
 from __future__ import annotations
@@ -228,8 +230,10 @@ class AddAuxLoss(torch.autograd.Function):
     """Returns x unchanged; in backward, gives `aux_loss` a gradient of 1, as if it had
     been added to the final loss. So the balance loss trains the router with no help
     from the trainer (and works under pipeline parallelism and activation checkpointing).
-    Caveat: its scale is 1 per forward call, independent of how the trainer normalises
-    the main loss (e.g. with gradient accumulation over M microbatches it counts M times)."""
+    Each forward's `aux_loss` must therefore be its share of the global loss: MoE sums
+    the loss over its sequences and scales it by `MoE.aux_loss_scale` (1 / sequences per
+    optimizer step, set by `set_aux_loss_sequences`), so that gradient accumulation,
+    pipeline microbatches and data-parallel ranks all add up to one global mean."""
 
     @staticmethod
     def forward(ctx, x, aux_loss):
@@ -243,18 +247,30 @@ class AddAuxLoss(torch.autograd.Function):
 
 
 def sequence_balance_loss(scores: torch.Tensor, ids: torch.Tensor, bsz: int, num_experts: int,
-                          score_func: str) -> torch.Tensor:
-    """DeepSeek V3's sequence-wise balance loss (without alpha): mean over sequences of
-    sum_i f_i * P_i, f_i = E / (K * S) * #tokens of the sequence picking i,
-    P_i = mean over the sequence's tokens of the normalised score of i."""
+                          score_func: str, *, reduction: str = "mean", count_group=None) -> torch.Tensor:
+    """DeepSeek V3's sequence-wise balance loss (without alpha): over sequences, the mean
+    (or sum) of sum_i f_i * P_i, f_i = E / (K * S) * #tokens of the sequence picking i,
+    P_i = mean over the sequence's tokens of the normalised score of i.
+
+    `count_group` (sequence parallel): each rank holds a slice of every sequence. The
+    pick counts (no gradient) are summed over the group, so f_i is the whole sequence's,
+    and P_i is this rank's partial sum over its tokens / S; summed over the group (as the
+    router's gradient is) the loss and its gradient are those of the whole sequences."""
     n, k = ids.shape
     seq = n // bsz
     probs = scores / scores.sum(dim=-1, keepdim=True) if score_func == "sigmoid" else scores
-    p = probs.view(bsz, seq, num_experts).mean(dim=1)  # [B, E]
     picks = torch.zeros(bsz, num_experts, device=ids.device, dtype=probs.dtype)
     picks.scatter_add_(1, ids.view(bsz, seq * k), torch.ones(bsz, seq * k, device=ids.device, dtype=probs.dtype))
-    f = picks * (num_experts / (k * seq))
-    return (f * p).sum(dim=-1).mean()
+    full_seq = seq
+    if count_group is not None:
+        import torch.distributed._functional_collectives as funcol
+
+        picks = funcol.all_reduce(picks, "sum", count_group)
+        full_seq = seq * count_group.size()
+    p = probs.view(bsz, seq, num_experts).sum(dim=1) / full_seq  # [B, E]
+    f = picks * (num_experts / (k * full_seq))
+    per_seq = (f * p).sum(dim=-1)
+    return per_seq.sum() if reduction == "sum" else per_seq.mean()
 
 
 # --------------------------------------------------------------------------- MoE layer
@@ -266,8 +282,9 @@ class MoE(nn.Module):
     Buffers:
       expert_bias       [E] fp32, persistent (checkpointed): selection-only score bias.
       tokens_per_expert [E] int64, non-persistent: picks counted since the last bias update.
-      aux_loss          [] fp32, non-persistent: last forward's balance loss (detached, with
-                        its coefficient), for logging; 0 when aux_loss_coeff is 0.
+      aux_loss          [] fp32, non-persistent: last forward's share of the balance loss
+                        (detached, with its coefficient and normalisation), for logging; 0
+                        when aux_loss_coeff is 0.
     """
 
     def __init__(self, dim: int, hidden_dim: int, args: MoEArgs):
@@ -286,6 +303,12 @@ class MoE(nn.Module):
         # -> routed_output that dispatches rows to the experts' ranks and combines them back
         # (parallelisms/expert_parallel.py). None: run the experts here.
         self.token_dispatcher = None
+        # Balance-loss normalisation: 1 / sequences per optimizer step over all ranks (set by
+        # the trainer through `set_aux_loss_sequences`); None = the mean over this forward's
+        # sequences. `aux_loss_count_group`: set by a sequence-parallel TP plan (see
+        # `sequence_balance_loss`).
+        self.aux_loss_scale: float | None = None
+        self.aux_loss_count_group = None
 
     # ---- steps (each one a seam for EP) ----
     def route(self, x: torch.Tensor):
@@ -329,8 +352,10 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x_flat)
         out = out.view(bsz, seqlen, dim)
         if self.args.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux = self.args.aux_loss_coeff * sequence_balance_loss(
-                scores, ids, bsz, self.num_experts, self.args.score_func)
+            scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
+            aux = (self.args.aux_loss_coeff * scale) * sequence_balance_loss(
+                scores, ids, bsz, self.num_experts, self.args.score_func, reduction="sum",
+                count_group=self.aux_loss_count_group)
             with torch.no_grad():
                 self.aux_loss.copy_(aux.detach())
             out = AddAuxLoss.apply(out, aux)
@@ -379,6 +404,14 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
         m.expert_bias.add_(d.to(m.expert_bias.dtype))
         m.tokens_per_expert.zero_()
     return counts
+
+
+def set_aux_loss_sequences(model: nn.Module | Iterable[nn.Module], sequences_per_step: int) -> None:
+    """Normalises every MoE layer's balance loss by the number of sequences in one optimizer
+    step over all data-parallel ranks (the global batch), so that its gradient is that of
+    one global mean whatever the split (`AddAuxLoss`). A no-op without MoE layers."""
+    for m in _moe_layers(model):
+        m.aux_loss_scale = 1.0 / sequences_per_step
 
 
 def moe_layer_ids(model: nn.Module | Iterable[nn.Module]) -> list[str]:

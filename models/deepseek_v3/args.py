@@ -57,6 +57,10 @@ class DeepSeekV3Args:
     # Init std of the weights that write into the residual stream is scaled by depth.
     depth_init: bool = True
 
+    # Multi-token prediction (models/deepseek_v3/mtp.py): MTP modules after the main model,
+    # module k predicting the token k + 1 positions ahead. 0 = none.
+    mtp_depth: int = 0
+
     def __post_init__(self) -> None:
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be softmax or sigmoid, got {self.score_func!r}")
@@ -68,6 +72,8 @@ class DeepSeekV3Args:
             raise ValueError("n_activated_experts exceeds the experts in the kept groups")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
+        if self.mtp_depth < 0:
+            raise ValueError("mtp_depth must be >= 0")
 
     # ---- derived ----
     @property
@@ -109,7 +115,9 @@ class DeepSeekV3Args:
 
     def param_counts(self) -> tuple[int, int]:
         """(total, activated per token). Counts the embedding, the output head, norms and
-        the per-expert routing bias buffers; not the load counters or the rope cache."""
+        the per-expert routing bias buffers; not the load counters or the rope cache. MTP
+        modules count too (each: an MoE block, eh_proj and three norms; embedding and
+        head are shared)."""
         per_block = self._attention_params() + 2 * self.dim
         dense = 3 * self.dim * self.inter_dim
         moe_fixed = (self.n_shared_experts * self.expert_params()  # shared SwiGLU
@@ -118,18 +126,22 @@ class DeepSeekV3Args:
         total_moe = moe_fixed + self.n_routed_experts * self.expert_params()
         active_moe = moe_fixed + self.n_activated_experts * self.expert_params()
         common = self.n_layers * per_block + self.n_dense_layers * dense + 2 * self.vocab_size * self.dim + self.dim
-        return common + self.n_moe_layers * total_moe, common + self.n_moe_layers * active_moe
+        mtp_fixed = self.mtp_depth * (per_block + 2 * self.dim * self.dim + 3 * self.dim)
+        moe_blocks = self.n_moe_layers + self.mtp_depth
+        return (common + mtp_fixed + moe_blocks * total_moe, common + mtp_fixed + moe_blocks * active_moe)
 
     def flops_per_token(self, seq_len: int, num_params: int | None = None, embedding_params: int | None = None) -> int:
         """6 x activated non-embedding params + the attention term 6 * L * H * (Dqk + Dv) * S
-        (equal to Llama3Args' 12 * L * H * Dh * S when Dqk = Dv).
+        (equal to Llama3Args' 12 * L * H * Dh * S when Dqk = Dv). Each MTP depth adds its
+        block's attention term and another pass through the shared output head.
 
         `num_params` / `embedding_params` are accepted for signature compatibility with
         Llama3Args and ignored: the total count of an MoE model includes experts a token
         never visits, so the activated count is computed from the args."""
         _, activated = self.param_counts()
-        return (6 * (activated - self.vocab_size * self.dim)
-                + 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len)
+        layers = self.n_layers + self.mtp_depth
+        return (6 * (activated - self.vocab_size * self.dim) + 6 * self.mtp_depth * self.vocab_size * self.dim
+                + 6 * layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len)
 
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {

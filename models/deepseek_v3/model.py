@@ -28,6 +28,7 @@ from models.common.moe import MoE, MoEArgs
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.deepseek_v3.args import DeepSeekV3Args
+from models.deepseek_v3.mtp import MTPLayer, mtp_embedding_ids, pipeline_tensor
 
 
 def interleaved_to_half_perm(rope_dim: int) -> torch.Tensor:
@@ -164,6 +165,41 @@ class TransformerBlock(nn.Module):
 class DeepSeekV3(DecoderLM):
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args, TransformerBlock)
+        # Multi-token prediction (models/deepseek_v3/mtp.py): after `output`, so the last pipeline stage holds it.
+        self.mtp = nn.ModuleDict({
+            str(k): MTPLayer(TransformerBlock(args.n_layers + k, args), args.dim, args.norm_eps)
+            for k in range(args.mtp_depth)}) if args.mtp_depth > 0 else None
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        super().init_weights(buffer_device)
+        for layer in (self.mtp.values() if self.mtp is not None else ()):
+            layer.init_weights()
+
+    def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, positions: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None):
+        """As DecoderLM.forward; with MTP and `mtp_labels` (training), the logits of the main
+        head and of every MTP depth, concatenated on the batch dim: [(1 + D) * B, S, V].
+
+        Pipeline stages: the first embeds the MTP tokens with the inputs; every stage but
+        the last returns (hidden, *MTP embeddings), and takes them as `tokens, *carried`."""
+        depth = self.args.mtp_depth
+        if depth == 0 or mtp_labels is None:
+            return super().forward(tokens, positions)
+        if self.tok_embeddings is not None:
+            # One embedding call for the inputs and the MTP tokens: [(1 + D) * B, S, dim].
+            embedded = self.tok_embeddings(torch.cat([tokens, mtp_embedding_ids(mtp_labels, depth)], dim=0))
+            h, *carried = embedded.split(tokens.shape[0], dim=0)
+        else:
+            h = tokens
+        rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
+        for block in self.layers.values():
+            h = block(h, rope)
+        if self.output is None:
+            return (h, *(pipeline_tensor(c) for c in carried))
+        hidden = [self.norm(h)]
+        for layer, emb in zip(self.mtp.values(), carried):
+            hidden.append(layer(hidden[-1], emb, rope))
+        return self.output(torch.cat(hidden, dim=0))
 
     def _rope_cache(self) -> torch.Tensor:
         a = self.args

@@ -23,8 +23,9 @@ DTensors with plain tensors.
   the MoE input is the replicated full sequence: router and routed experts are
   replicated and each TP rank computes them whole; shared experts are column/row-wise.
   EP with TP but without SP is refused (see parallelisms/expert_parallel.py).
-- Limitation: with SP, the sequence balance loss (`aux_loss_coeff` > 0) is computed on
-  each rank's sequence shard, not on whole sequences.
+- The sequence balance loss under SP: each rank routes its own sequence shard; the pick
+  counts are summed over TP (`MoE.aux_loss_count_group`), so the loss is that of whole
+  sequences and its router gradient, summed over TP, that of one rank.
 """
 
 from __future__ import annotations
@@ -94,51 +95,84 @@ def _moe_plan(prefix: str, sp: bool, ep: int, plan: dict) -> None:
         plan[f"{prefix}.moe.experts"] = _ReplicateParams()
 
 
+def _block_plan(prefix: str, block: nn.Module, sp: bool, ep: int, plan: dict, *, first_without_embedding: bool,
+                gather_output: bool) -> None:
+    """The plan of one transformer block (a decoder layer, or an MTP module's block)."""
+    norm = tp.norm_style if sp else tp.norm_style_no_sp
+    out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    if sp:
+        plan[prefix] = tp.block_input_style(1, first_on_stage_without_embedding=first_without_embedding,
+                                            gather_output=gather_output)
+        plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
+    plan[f"{prefix}.attention_norm"] = norm()
+    plan[f"{prefix}.ffn_norm"] = norm()
+    att = f"{prefix}.attention"
+    if block.attention.q_lora_rank == 0:
+        plan[f"{att}.wq"] = tp.ColwiseParallel()
+    else:
+        plan[f"{att}.wq_a"] = ReplicateParallel()
+        plan[f"{att}.q_norm"] = ReplicateParallel()
+        plan[f"{att}.wq_b"] = tp.ColwiseParallel()
+    plan[f"{att}.wkv_a"] = ReplicateParallel()
+    plan[f"{att}.kv_norm"] = ReplicateParallel()
+    plan[f"{att}.wkv_b"] = tp.ColwiseParallel()
+    plan[f"{att}.wo"] = tp.RowwiseParallel(**out_layout)
+    if block.moe_enabled:
+        _moe_plan(prefix, sp, ep, plan)
+    else:
+        if sp:
+            plan[f"{prefix}.feed_forward"] = tp.module_input_style()
+        plan[f"{prefix}.feed_forward.w1"] = tp.ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
+
+
+def _mtp_plan(model: nn.Module, sp: bool, ep: int, plan: dict) -> None:
+    """MTP modules (models/deepseek_v3/mtp.py): norms and eh_proj replicated, on the
+    sequence-sharded stream under SP; the block as any block. Their inputs are the main
+    head's normed hidden state (sequence-sharded under SP) and the MTP embeddings: those
+    too when the embedding is on this stage, else plain full tensors received from the
+    previous pipeline stage."""
+    norm = tp.norm_style if sp else tp.norm_style_no_sp
+    emb_layout = Shard(1) if model.tok_embeddings is not None else Replicate()
+    for key, layer in model.mtp.items():
+        prefix = f"mtp.{key}"
+        if sp:
+            plan[prefix] = tp.PrepareModuleInput(input_layouts=(Shard(1), emb_layout, None),
+                                                 desired_input_layouts=(Shard(1), Shard(1), None),
+                                                 use_local_output=False)
+        for name in ("enorm", "hnorm", "norm"):
+            plan[f"{prefix}.{name}"] = norm()
+        plan[f"{prefix}.eh_proj"] = tp.SequenceParallel() if sp else ReplicateParallel()
+        _block_plan(f"{prefix}.block", layer.block, sp, ep, plan, first_without_embedding=False, gather_output=False)
+
+
+def _all_blocks(model: nn.Module) -> list[nn.Module]:
+    mtp = getattr(model, "mtp", None)
+    return list(model.layers.values()) + ([layer.block for layer in mtp.values()] if mtp is not None else [])
+
+
 def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     sp = bool(parallelism_cfg.enable_sequence_parallel)
     loss_parallel_on = not parallelism_cfg.disable_loss_parallel
     ep = int(getattr(parallelism_cfg, "expert_parallel_degree", 1))
-    norm = tp.norm_style if sp else tp.norm_style_no_sp
     plan = tp.model_level_plan(model, sp, loss_parallel_on)
     keys = list(model.layers.keys())
-    out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     for i, key in enumerate(keys):
-        block = model.layers[key]
-        prefix = f"layers.{key}"
-        if sp:
-            plan[prefix] = tp.block_input_style(
-                1, first_on_stage_without_embedding=(i == 0 and model.tok_embeddings is None),
-                gather_output=(i == len(keys) - 1 and model.output is None))
-            plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
-        plan[f"{prefix}.attention_norm"] = norm()
-        plan[f"{prefix}.ffn_norm"] = norm()
-        att = f"{prefix}.attention"
-        if block.attention.q_lora_rank == 0:
-            plan[f"{att}.wq"] = tp.ColwiseParallel()
-        else:
-            plan[f"{att}.wq_a"] = ReplicateParallel()
-            plan[f"{att}.q_norm"] = ReplicateParallel()
-            plan[f"{att}.wq_b"] = tp.ColwiseParallel()
-        plan[f"{att}.wkv_a"] = ReplicateParallel()
-        plan[f"{att}.kv_norm"] = ReplicateParallel()
-        plan[f"{att}.wkv_b"] = tp.ColwiseParallel()
-        plan[f"{att}.wo"] = tp.RowwiseParallel(**out_layout)
-        if block.moe_enabled:
-            _moe_plan(prefix, sp, ep, plan)
-        else:
-            if sp:
-                plan[f"{prefix}.feed_forward"] = tp.module_input_style()
-            plan[f"{prefix}.feed_forward.w1"] = tp.ColwiseParallel()
-            plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
-            plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
+        _block_plan(f"layers.{key}", model.layers[key], sp, ep, plan,
+                    first_without_embedding=(i == 0 and model.tok_embeddings is None),
+                    gather_output=(i == len(keys) - 1 and model.output is None))
+    if getattr(model, "mtp", None) is not None:
+        _mtp_plan(model, sp, ep, plan)
     tp.apply_plan(model, tp_mesh, plan)
-    for block in model.layers.values():
+    for block in _all_blocks(model):
         att = block.attention
         att.wkv_a.register_forward_hook(_sum_rope_key_grad_hook(att.kv_lora_rank, tp_mesh.get_group()))
-    if sp and ep <= 1:
-        # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
-        for block in model.layers.values():
-            if block.moe_enabled:
+        if block.moe_enabled and sp:
+            # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
+            block.moe.aux_loss_count_group = tp_mesh
+            if ep <= 1:
+                # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
                 block.moe.experts.partial_grad_over_replicate = True
 
 
