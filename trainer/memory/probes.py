@@ -54,6 +54,29 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live: dict = {}
         self.current = 0
         self.peak = 0
+        self._paused = 0
+
+    def __enter__(self):
+        # DTensor infers an op's output shape by running it on fake tensors of the global
+        # shape (`ShardingPropagator._propagate_tensor_meta_non_cached`, private): never memory.
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def untracked(propagator, *args, **kwargs):
+            self._paused += 1
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+        self._restore = lambda: setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", original)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._restore()
+        return super().__exit__(*exc)
 
     def _refresh(self) -> None:
         self._live = {k: v for k, v in self._live.items() if not k.expired()}
@@ -64,8 +87,11 @@ class LiveBytesTracker(TorchDispatchMode):
         if _has_wrapper_subclass(types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            # (meta tensors are shape inference, e.g. DTensor's sharding propagation: never memory)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 try:
                     st = t.untyped_storage()
                     key = self._ref(st)
@@ -188,6 +214,19 @@ class BlockProbe:
     input_bytes: int  # one residual-stream tensor, this rank's shard
 
 
+def _warmed(probe):
+    """Runs a probe twice and keeps the second result: an AC policy may calibrate itself on
+    a block's first call (and first calls fill caches); the second call is what every
+    later training step sees."""
+    def run(*args, **kwargs):
+        probe(*args, **kwargs)
+        return probe(*args, **kwargs)
+
+    run.__doc__ = probe.__doc__
+    return run
+
+
+@_warmed
 def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dtype: torch.dtype,
                 autocast: torch.dtype | None = None, constants=()) -> BlockProbe:
     """Runs an assembled block (under its fake mode, after `strip_fsdp`) forward and
@@ -196,6 +235,7 @@ def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dty
     the block reads but does not own (the RoPE table and its cast), not counted here."""
     from parallelisms.activation_checkpoint import SavedActivationCounter
 
+    block.zero_grad(set_to_none=True)
     x = torch.empty(input_shape, dtype=dtype, requires_grad=True)
     exclude = list(block.parameters()) + list(block.buffers()) + list(constants)
     with GroupedMMInFp32(), LiveBytesTracker() as tracker:
@@ -220,6 +260,7 @@ class HeadProbe:
     weight_grad_bytes: int
 
 
+@_warmed
 def probe_head(part: nn.Module, *, chunked: bool, input_shape: tuple, labels_shape: tuple, dtype: torch.dtype,
                autocast: torch.dtype | None = None, loss_parallel: bool = False) -> HeadProbe:
     """The assembled final norm + output head + the trainer's loss, forward and backward,
@@ -230,6 +271,8 @@ def probe_head(part: nn.Module, *, chunked: bool, input_shape: tuple, labels_sha
     from trainer.loss import TokenNormalizedLoss
 
     norm, head = part.norm, part.output
+    norm.zero_grad(set_to_none=True)
+    head.zero_grad(set_to_none=True)
     loss_fn = TokenNormalizedLoss(chunked_ce=chunked)
     params = list(norm.parameters()) + list(head.parameters())
     x = torch.empty(input_shape, dtype=dtype, requires_grad=True)
