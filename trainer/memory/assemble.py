@@ -132,6 +132,12 @@ class AssembledRank:
     pp_rank: int
     stage_layer_ids: list[list[int]]  # the block ids of each part, in order
 
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: FSDP's compute dtype (its gathered parameters, hence
+        the embedding's output), else fp32 (autocast, if any, casts inside the ops)."""
+        return self.precision.param if self.dims.fsdp_mesh() is not None else torch.float32
+
 
 def _layer_ids(part: nn.Module) -> list[int]:
     return [int(k) for k in part.layers.keys()]

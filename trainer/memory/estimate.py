@@ -103,7 +103,7 @@ class RankParams:
     param_bytes: int  # fp32 local shards of every parameter
     unit_bytes: dict  # FSDP unit -> its gathered size in the compute dtype ("layers.K" units with nested ones)
     head_param_bytes: int  # local fp32 shards of the final norm + output head
-    matrix_bytes: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
+    matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
 
 
 def _layer_key(name: str) -> str:
@@ -151,7 +151,7 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
     from parallelisms.activation_checkpoint import SavedActivationCounter, block_mode
 
     seq = cfg.training.seq_len
-    dtype = rank.precision.param if layout.fsdp else torch.float32
+    dtype = rank.stream_dtype
     probes: dict = {}
     kind_of: dict = {}
     label_of: dict = {}
@@ -193,7 +193,7 @@ def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
     """(this config's loss path, the other one or None where it is refused) on the part
     holding the output head."""
     seq = cfg.training.seq_len
-    dtype = rank.precision.param if layout.fsdp else torch.float32
+    dtype = rank.stream_dtype
     part = next(p for p in rank.parts if p.output is not None)
     kwargs = dict(input_shape=(mb, layout.residual_seq(seq), cfg.model_args.dim),
                   labels_shape=(mb, layout.token_seq(seq)), dtype=dtype, autocast=rank.precision.autocast,
@@ -279,7 +279,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         with assemble_rank(cfg, world, pp_rank=pp_rank, device=device) as rank:
             per_rank.append(read_params(rank.parts))
             if pp_rank == 0:
-                precision, stage_layers = rank.precision, rank.stage_layer_ids
+                precision, stage_layers, dtype = rank.precision, rank.stage_layer_ids, rank.stream_dtype
                 blocks = probe_blocks(rank, cfg, layout, mb)
             if heads is None and any(p.output is not None for p in rank.parts):
                 heads = probe_heads(rank, cfg, layout, mb)
@@ -290,7 +290,6 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     offload = layout.fsdp and par.fsdp_cpu_offload
     if offload:
         notes.append("fsdp_cpu_offload: sharded params, grads and optimizer states live in host memory (not counted)")
-    dtype = precision.param if layout.fsdp else torch.float32
     autocast = precision.autocast
     esize = torch.tensor([], dtype=dtype).element_size()
 
@@ -332,7 +331,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     autocast_cache = 0
     if autocast is not None:
         csize = torch.tensor([], dtype=autocast).element_size()
-        autocast_cache = sum(heavy_matrix * csize for lid, heavy_matrix in per_rank[0].matrix_bytes.items()
+        autocast_cache = sum(numel * csize for lid, numel in per_rank[0].matrix_numel.items()
                              if lid in layers_rank0 and blocks.kind_of[lid][1] != "none")
     phases["forward+loss"] = fsdp_buffers + accum_grads + activations + head.forward_peak + autocast_cache
     phases["loss backward"] = fsdp_buffers + accum_grads + activations + head.backward_peak

@@ -145,6 +145,9 @@ def strip_fsdp(part: nn.Module) -> None:
     parameters, as they do between FSDP's pre- and post-forward."""
     from torch.distributed.fsdp import FSDPModule
 
+    if getattr(part, "_fsdp_stripped", False):
+        return
+    part._fsdp_stripped = True
     if isinstance(part, FSDPModule):
         part._get_fsdp_state()._lazy_init()  # what the root's first forward does: comm state, units
     for state in fsdp_states(part).values():
