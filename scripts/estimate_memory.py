@@ -163,7 +163,8 @@ def validate(quick: bool) -> str:
     if not quick:
         cases += [ValidationCase("deepseek-tp2", deepseek + tp2, nproc=2),
                   ValidationCase("deepseek-ep2", deepseek + ["--parallelism.expert_parallel_degree", "2"], nproc=2),
-                  ValidationCase("qwen3-tp2-op", qwen3 + tp2 + ["--activation_checkpoint.mode", "op"], nproc=2)]
+                  ValidationCase("qwen3-tp2-op", qwen3 + tp2 + ["--activation_checkpoint.mode", "op"], nproc=2),
+                  ValidationCase("llama-cp2", base + ["--parallelism.context_parallel_degree", "2"], nproc=2)]
     with tempfile.TemporaryDirectory() as d:
         rows = validate_cases(cases, d, timeout=600)
     bad = [r["case"] for r in rows if abs(r["saved_err"]) > 0.05 or abs(r["peak_err"]) > 0.15]

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 def default_world_size(par, gpus_per_node: int = 8, max_nodes: int = 4096) -> int:
     """The smallest multiple of `gpus_per_node` that the parallel degrees fit: explicit
-    degrees must divide it, and EP must divide dp_shard x tp (the ranks it borrows)."""
+    degrees must divide it, and EP must divide dp_shard x cp x tp (the ranks it borrows)."""
     fixed = par.data_parallel_replicate_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree * \
         par.context_parallel_degree
     if par.data_parallel_shard_degree > 0:
@@ -43,7 +43,7 @@ def default_world_size(par, gpus_per_node: int = 8, max_nodes: int = 4096) -> in
         if par.data_parallel_shard_degree > 0 and world != fixed:
             continue
         dp_shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // fixed
-        if (dp_shard * par.tensor_parallel_degree) % par.expert_parallel_degree:
+        if (dp_shard * par.context_parallel_degree * par.tensor_parallel_degree) % par.expert_parallel_degree:
             continue
         return world
     return fixed  # explicit degrees whose product is not a multiple of gpus_per_node
@@ -65,9 +65,9 @@ class Layout:
     loss_parallel: bool
 
     def token_seq(self, seq_len: int) -> int:
-        """Tokens of one sample on this rank: its labels, RoPE rows, the embedding's output.
-        (Context parallelism divides the sequence here: seq_len // cp.)"""
-        return seq_len
+        """Tokens of one sample on this rank: its labels, RoPE rows, the embedding's output
+        (context parallelism gives each rank seq_len / cp of them)."""
+        return seq_len // self.cp
 
     def residual_seq(self, seq_len: int) -> int:
         """Rows of one sample's residual stream between blocks on this rank: sequence

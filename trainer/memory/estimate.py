@@ -32,6 +32,7 @@ from trainer.memory.probes import (
     probe_head,
     strip_fsdp,
     tensor_bytes,
+    use_memory_probes,
 )
 
 GiB = 1024**3
@@ -161,6 +162,7 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
         for part in rank.parts:
             strip_fsdp(part)
             balanced_experts(part)
+            use_memory_probes(part)
             # DecoderLM.forward casts the RoPE rows to the residual stream's dtype once; the
             # blocks keep that one copy (a view of the table when no cast is needed).
             rope_table = part.rope_cache[: layout.token_seq(seq)]
@@ -309,6 +311,10 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     else:
         activations, in_flight = sum(stage_bytes), 1.0
     activations += blocks.embedding_saved
+    if device == "cpu" and layout.cp > 1:  # CP attention's additive masks on CPU, shared by every layer
+        from parallelisms.context_parallel import cpu_mask_bytes
+
+        activations += cpu_mask_bytes(t.seq_len, layout.cp, par.context_parallel_method, esize)
     layers_rank0 = [lid for ids in stage_layers for lid in ids]
 
     # ---- logits / loss ----
@@ -381,7 +387,8 @@ def format_estimate(est: MemoryEstimate) -> str:
     other = "off" if est.chunked_ce else "on"
     lines = [
         f"memory estimate: {est.model}{' (' + est.config + ')' if est.config else ''}, per rank, {est.device}",
-        f"  world {est.world_size}: dp_replicate {L.dp_replicate} x dp_shard {L.dp_shard} x tp {L.tp} x pp {L.pp}"
+        f"  world {est.world_size}: dp_replicate {L.dp_replicate} x dp_shard {L.dp_shard} x cp {L.cp} x tp {L.tp} "
+        f"x pp {L.pp}"
         f" (ep {L.ep}); compute dtype {est.compute_dtype}{' (FSDP mixed precision)' if L.fsdp else ''}",
         f"  tokens per microbatch {est.tokens_per_microbatch}; AC {est.ac_mode}; chunked CE "
         f"{'on' if est.chunked_ce else 'off'}; blocks on the busiest rank {est.blocks_on_rank}"

@@ -158,6 +158,14 @@ def strip_fsdp(part: nn.Module) -> None:
         state._post_forward_hook_handle.remove()
 
 
+def use_memory_probes(part: nn.Module) -> None:
+    """Switches every plan module of `part` that offers a stand-in for the estimator (a
+    `memory_probe` attribute: CP's attention, see parallelisms/context_parallel.py) to it."""
+    for m in part.modules():
+        if hasattr(m, "memory_probe"):
+            m.memory_probe = True
+
+
 class BalancedDispatch:
     """Stands in for `ExpertParallelDispatcher` in probes, with balanced routing: this
     rank receives as many rows as it sends, spread evenly over its E/ep local experts.
