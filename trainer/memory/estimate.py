@@ -366,7 +366,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     return MemoryEstimate(
         config=config_name, model=f"{cfg.model.name} {cfg.model.flavor}", world_size=world, layout=layout,
         device=device, compute_dtype=compute, ac_mode=ac.mode, chunked_ce=cfg.loss.chunked_ce,
-        tokens_per_microbatch=mb * t.seq_len, blocks_on_rank=len(layers_rank0), in_flight_microbatches=in_flight,
+        tokens_per_microbatch=mb * layout.token_seq(t.seq_len), blocks_on_rank=len(layers_rank0), in_flight_microbatches=in_flight,
         params=int(p_bytes), grads=int(grads), optimizer=int(optimizer), fsdp_buffers=int(fsdp_buffers),
         activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),

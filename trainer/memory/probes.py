@@ -29,6 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def _plain(t: torch.Tensor):
+    from parallelisms.activation_checkpoint import _plain_tensors
+
+    return _plain_tensors(t)
+
+
 def _has_wrapper_subclass(types) -> bool:
     """Whether an op runs on a tensor subclass that computes on inner tensors (a DTensor):
     a mode that declines it (NotImplemented) then sees the local ops the subclass runs,
@@ -47,11 +53,14 @@ class LiveBytesTracker(TorchDispatchMode):
     tensors; only storage sizes are read. Kernel-internal workspaces are not seen.
     """
 
-    def __init__(self):
+    def __init__(self, existing=()):
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
         self._ref = StorageWeakRef
         self._live: dict = {}
+        # Storages of `existing` (inputs, parameters) are never counted, also when an op
+        # first shows them through a view (a checkpoint's detach of its saved input).
+        self._existing = {self._ref(p.untyped_storage()) for t in existing for p in _plain(t)}
         self.current = 0
         self.peak = 0
         self._paused = 0
@@ -97,7 +106,7 @@ class LiveBytesTracker(TorchDispatchMode):
                     key = self._ref(st)
                 except Exception:  # noqa: BLE001 - storage-less tensors
                     continue
-                if key not in self._live:
+                if key not in self._live and key not in self._existing:
                     self._live[key] = int(st.nbytes())
         self._refresh()
         return out
@@ -249,7 +258,7 @@ def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dty
     block.zero_grad(set_to_none=True)
     x = torch.empty(input_shape, dtype=dtype, requires_grad=True)
     exclude = list(block.parameters()) + list(block.buffers()) + list(constants)
-    with GroupedMMInFp32(), LiveBytesTracker() as tracker:
+    with GroupedMMInFp32(), LiveBytesTracker([x, rope, *exclude]) as tracker:
         with SavedActivationCounter(exclude) as counter, _autocast(autocast):
             out = local(block(x, rope))
         grad_out = torch.empty_like(out)
@@ -295,7 +304,7 @@ def probe_head(part: nn.Module, *, chunked: bool, input_shape: tuple, labels_sha
 
             step.enter_context(loss_parallel_ctx())
         step.enter_context(loss_fn.normalized_by(torch.ones((), dtype=torch.float32)))
-        with LiveBytesTracker() as tracker:
+        with LiveBytesTracker([x, *params]) as tracker:
             with SavedActivationCounter(params) as counter, _autocast(autocast):
                 h = norm(x)
                 loss = loss_fn(head(h, labels) if chunked else head(h), labels)
