@@ -257,7 +257,10 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
                     config_name: str = "") -> MemoryEstimate:
     """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks."""
     from trainer.configurable import ConfigError
+    from trainer.model_args import model_label
 
+    if cfg.model_args is None:  # a JobConfig built in code, not by load_config
+        cfg.validate()
     world = world_size or default_world_size(cfg.parallelism, gpus_per_node)
     layout = resolve_layout(cfg, world)
     t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
@@ -361,10 +364,13 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         p_bytes, grads, optimizer = 0, 0, 0
     if cfg.compile.enable:
         notes.append("compile.enable: counted as eager execution (the compiled blocks may keep less)")
+    if getattr(cfg.model, "mtp_depth", 0):
+        notes.append(f"model.mtp_depth {cfg.model.mtp_depth}: the MTP modules' parameters are counted, their "
+                     "activations and extra logits are not")
 
     compute = str(autocast or dtype).replace("torch.", "") + (" (autocast)" if autocast else "")
     return MemoryEstimate(
-        config=config_name, model=f"{cfg.model.name} {cfg.model.flavor}", world_size=world, layout=layout,
+        config=config_name, model=model_label(cfg), world_size=world, layout=layout,
         device=device, compute_dtype=compute, ac_mode=ac.mode, chunked_ce=cfg.loss.chunked_ce,
         tokens_per_microbatch=mb * layout.token_seq(t.seq_len), blocks_on_rank=len(layers_rank0), in_flight_microbatches=in_flight,
         params=int(p_bytes), grads=int(grads), optimizer=int(optimizer), fsdp_buffers=int(fsdp_buffers),
