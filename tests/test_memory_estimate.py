@@ -99,6 +99,7 @@ def test_default_world_size_fits_the_degrees():
     assert default_world_size(load_config(["--config", "deepseek_v3_671b.toml"]).parallelism) == 512
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_estimates_for_the_shipped_configs_on_meta(capsys):
     from scripts.estimate_memory import main

@@ -160,7 +160,6 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
     part_saved = []
     with rank.fake_mode:
         for part in rank.parts:
-            strip_fsdp(part)
             balanced_experts(part)
             use_memory_probes(part)
             # DecoderLM.forward casts the RoPE rows to the residual stream's dtype once; the
@@ -180,10 +179,12 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
                 kind = (sig, mode, shape)
                 kind_of[lid] = kind
                 if kind not in probes:
+                    strip_fsdp(part, block)
                     probes[kind] = probe_block(block, rope, input_shape=shape, dtype=dtype,
                                                autocast=rank.precision.autocast, constants=(part.rope_cache, rope))
                     label_of[kind] = f"{mode}/{'moe' if any(is_expert(n) for n, *_ in sig) else 'dense'}"
             if part.tok_embeddings is not None:
+                strip_fsdp(part, part.tok_embeddings)
                 tokens = torch.zeros(mb, layout.token_seq(seq), dtype=torch.long)
                 with SavedActivationCounter(list(part.tok_embeddings.parameters())) as counter:
                     part.tok_embeddings(tokens)
@@ -201,7 +202,7 @@ def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
                   labels_shape=(mb, layout.token_seq(seq)), dtype=dtype, autocast=rank.precision.autocast,
                   loss_parallel=layout.loss_parallel)
     with rank.fake_mode:
-        strip_fsdp(part)
+        strip_fsdp(part, part.norm, part.output)
         ours = probe_head(part, chunked=cfg.loss.chunked_ce, **kwargs)
         other = probe_head(part, chunked=not cfg.loss.chunked_ce, **kwargs) if _chunked_ce_allowed(layout) else None
     return ours, other

@@ -48,9 +48,11 @@ class LiveBytesTracker(TorchDispatchMode):
     """Follows every storage that an op creates while active, and the peak of their sum.
 
     A storage counts from the op that creates it until it is freed (its last tensor,
-    including autograd's saved copies, is gone). Storages that existed before are not
-    counted (parameters, inputs): add them yourself. Works on real, fake and meta
-    tensors; only storage sizes are read. Kernel-internal workspaces are not seen.
+    including autograd's saved copies, is gone). Pass the tensors that exist before
+    (parameters, inputs) as `existing`: an op that returns a view of one would otherwise
+    count its storage; add their bytes yourself where they belong. Works on real, fake
+    and meta tensors; only storage sizes are read. Kernel-internal workspaces are not
+    seen; on a DTensor the tracker sees the local ops DTensor runs.
     """
 
     def __init__(self, existing=()):
@@ -99,8 +101,7 @@ class LiveBytesTracker(TorchDispatchMode):
         if self._paused:
             return out
         for t in tree_leaves(out):
-            # (meta tensors are shape inference, e.g. DTensor's sharding propagation: never memory)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor):
                 try:
                     st = t.untyped_storage()
                     key = self._ref(st)
@@ -147,24 +148,26 @@ def fsdp_states(module: nn.Module) -> dict[str, object]:
     return dict(states.values())
 
 
-def strip_fsdp(part: nn.Module) -> None:
-    """Gathers every FSDP unit of `part` (FSDP's all-gather: a no-op collective under the
-    fake process group) and removes FSDP's forward hooks, in place: the assembly is
-    thrown away after probing. Modules then compute with the gathered compute-dtype
-    parameters, as they do between FSDP's pre- and post-forward."""
+def strip_fsdp(part: nn.Module, *modules: nn.Module) -> None:
+    """Gathers the FSDP units of `modules` (of model part `part`; all of `part` if none
+    given) with FSDP's all-gather (a no-op collective under the fake process group) and
+    removes their forward hooks, in place: the assembly is thrown away after probing.
+    The modules then compute with the gathered compute-dtype parameters, as they do
+    between FSDP's pre- and post-forward. Units already stripped are left alone."""
     from torch.distributed.fsdp import FSDPModule
 
-    if getattr(part, "_fsdp_stripped", False):
-        return
-    part._fsdp_stripped = True
     if isinstance(part, FSDPModule):
-        part._get_fsdp_state()._lazy_init()  # what the root's first forward does: comm state, units
-    for state in fsdp_states(part).values():
-        for group in state._fsdp_param_groups:
-            group.unshard()
-            group.wait_for_unshard()
-        state._pre_forward_hook_handle.remove()
-        state._post_forward_hook_handle.remove()
+        part._get_fsdp_state()._lazy_init()  # what the root's first forward does (once): comm state, units
+    for module in modules or (part,):
+        for state in fsdp_states(module).values():
+            if getattr(state, "_stripped_for_probes", False):
+                continue
+            state._stripped_for_probes = True
+            for group in state._fsdp_param_groups:
+                group.unshard()
+                group.wait_for_unshard()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
 
 
 def use_memory_probes(part: nn.Module) -> None:
