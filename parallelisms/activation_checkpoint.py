@@ -580,8 +580,10 @@ def _plain_tensors(t: torch.Tensor):
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
         try:
             names, _ = t.__tensor_flatten__()
-            for n in names:
-                yield from _plain_tensors(getattr(t, n))
+            for n in names:  # (DTensor also lists its device mesh)
+                inner = getattr(t, n)
+                if isinstance(inner, torch.Tensor):
+                    yield from _plain_tensors(inner)
             return
         except Exception:  # noqa: BLE001
             pass

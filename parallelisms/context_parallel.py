@@ -154,7 +154,8 @@ class ContextParallelAttention(nn.Module):
 
     With allgather, k and v may arrive already gathered (k.shape[2] == cp * q.shape[2]):
     MLA's latent was gathered by `SequenceGather` at `attention.kv_latent`.
-    `memory_probe` is set by the memory estimator only (see `attend_prefix`)."""
+    `memory_probe` is set by the memory estimator only, on the model it assembles on fake
+    tensors (`trainer.memory.probes.use_memory_probes`; see `attend_prefix`)."""
 
     memory_probe = False
 
@@ -274,15 +275,13 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _swap_attention(model: nn.Module, cp_mesh, method: str, memory_probe: bool = False) -> list[str]:
+def _swap_attention(model: nn.Module, cp_mesh, method: str) -> list[str]:
     from models.common.attention import SDPA
 
     replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, SDPA):
-            cp_attention = ContextParallelAttention(module, cp_mesh, method)
-            cp_attention.memory_probe = memory_probe
-            _replace(model, name, cp_attention)
+            _replace(model, name, ContextParallelAttention(module, cp_mesh, method))
         elif name.endswith("attention.kv_latent") and method == "allgather":
             _replace(model, name, SequenceGather(cp_mesh))
         else:
@@ -298,30 +297,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> list[str]:
     replaced = _swap_attention(model, cp_mesh, method)
     model.register_forward_pre_hook(_PositionsHook(cp_mesh.size(), cp_mesh.get_local_rank()), with_kwargs=True)
     return replaced
-
-
-class _ProbeMesh:
-    """Stands in for a CP mesh on fake tensors: the CP ops' fake kernels never read the group."""
-
-    def __init__(self, cp: int):
-        self.cp = cp
-
-    def size(self) -> int:
-        return self.cp
-
-    def get_local_rank(self) -> int:
-        return 0
-
-    def get_group(self):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(group_name="cp-memory-probe")
-
-
-def install_memory_probe(block: nn.Module, cp: int, method: str) -> list[str]:
-    """For the memory estimator: the CP plan on one block of fake tensors (run it at
-    seq_len / cp). It keeps for backward what a CP rank keeps on CUDA (see `attend_prefix`)."""
-    return _swap_attention(block, _ProbeMesh(cp), method, memory_probe=True)
 
 
 def cpu_mask_bytes(seq_len: int, cp: int, method: str, esize: int) -> int:

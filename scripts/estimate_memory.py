@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Per-rank training memory of a config, estimated on the meta device (nothing is allocated).
+"""Per-rank training memory of a config, estimated without allocating anything: one rank of the
+model is assembled by the trainer's own path (parallelisms/apply.py) on fake tensors under a
+fake process group, and its blocks and head are run on fake tensors (trainer/memory/).
 
   python scripts/estimate_memory.py --config llama8b.toml
   python scripts/estimate_memory.py --config llama70b.toml --ngpu 64 --activation_checkpoint.mode op
@@ -14,9 +16,10 @@ Options (everything else is a trainer override, `--section.key value`):
   --json                     print the estimate as JSON
   --table                    the AC mode x chunked CE table for the config
   --cp-table                 context parallel degree (1/2/4/8, as the world allows) x AC none/full/op
-  --validate                 debug model on this CPU: each AC mode with chunked CE off and on, and a
-                             2-rank FSDP run; estimated saved activation bytes and peak vs measured
-  --quick                    with --validate: none/op only, and one 2-rank case
+  --validate                 debug models on this CPU: Llama under each AC mode with chunked CE off and
+                             on, 2-rank FSDP, TP 2 (Llama, DeepSeek, the test-only Qwen3), EP 2
+                             (DeepSeek) and CP 2; estimated saved activation bytes and peak vs measured
+  --quick                    with --validate: none/op only, one FSDP and one TP case
 """
 
 from __future__ import annotations
@@ -139,8 +142,11 @@ def cp_table(rest: list[str], opts: dict) -> str:
 def validate(quick: bool) -> str:
     from trainer.memory import ValidationCase, format_validation, validate_cases
 
-    base = ["--config", "llama_debug.toml", "--training.dataset", "synthetic", "--metrics.enable_tensorboard",
-            "false", "--loss.ce_chunk_size", "128"]
+    common = ["--training.dataset", "synthetic", "--metrics.enable_tensorboard", "false", "--loss.ce_chunk_size", "128"]
+    base = ["--config", "llama_debug.toml", *common]
+    deepseek = ["--config", "deepseek_debug.toml", *common]
+    qwen3 = ["--config", "llama_debug.toml", "--model.name", "tests.qwen3_model", *common]
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
     modes = ("none", "op") if quick else ("none", "full", "selective", "op")
     cases = []
     for mode in modes:
@@ -153,10 +159,16 @@ def validate(quick: bool) -> str:
         cases.append(ValidationCase(f"fsdp2-{mode}{'-chunked' if chunked else ''}",
                                     base + ["--activation_checkpoint.mode", mode, "--loss.chunked_ce",
                                             str(chunked).lower()], nproc=2))
+    cases.append(ValidationCase("llama-tp2-op", base + tp2 + ["--activation_checkpoint.mode", "op"], nproc=2))
+    if not quick:
+        cases += [ValidationCase("deepseek-tp2", deepseek + tp2, nproc=2),
+                  ValidationCase("deepseek-ep2", deepseek + ["--parallelism.expert_parallel_degree", "2"], nproc=2),
+                  ValidationCase("qwen3-tp2-op", qwen3 + tp2 + ["--activation_checkpoint.mode", "op"], nproc=2),
+                  ValidationCase("llama-cp2", base + ["--parallelism.context_parallel_degree", "2"], nproc=2)]
     with tempfile.TemporaryDirectory() as d:
         rows = validate_cases(cases, d, timeout=600)
     bad = [r["case"] for r in rows if abs(r["saved_err"]) > 0.05 or abs(r["peak_err"]) > 0.15]
-    text = ("llama3 debug (seq 256 x local batch 4 = 1024 tokens, vocab 2048), fp32 on CPU, ce_chunk_size 128.\n"
+    text = ("debug models (seq 256 x local batch 4 = 1024 tokens, vocab 2048), fp32 on CPU, ce_chunk_size 128.\n"
             "saved = activation bytes kept for backward in one step (AC module's counter: saved-tensor hooks + SAC "
             "cache);\nstep peak = peak RSS growth of a step above params + optimizer states (VmHWM after "
             "clear_refs, fresh process, fixed glibc mmap threshold); total = params + optimizer states + step peak.\n\n"

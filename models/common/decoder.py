@@ -73,6 +73,10 @@ class DecoderLM(nn.Module):
         without the output head."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
+        # Once, in the residual stream's dtype (bf16 when the weights run in bf16): blocks
+        # given the fp32 table would each cast it, a copy per block that each block then
+        # keeps for backward. The values are the same.
+        rope = rope.to(h.dtype)
         for block in self.layers.values():
             h = block(h, rope)
         h = self.norm(h) if self.norm is not None else h

@@ -1,0 +1,428 @@
+"""The estimate: per-rank memory of one training step, from the assembled model and the probes.
+
+What is summed, and why in this shape (docs/memory.md has the full table):
+
+- persistent: fp32 parameters, gradients and AdamW's two moments, each at this rank's
+  local size as the assembly holds it (`to_local()` of every parameter after TP, EP
+  and FSDP); under PP the pipeline rank with the most;
+- FSDP buffers: the gathered units (FSDP's own all-gather sizes, padding included,
+  in its compute dtype): the unit running and the one prefetched plus the norm+output
+  unit that is not resharded, or every unit of the rank under PP;
+- activations: what each probed block keeps for backward, over this rank's blocks,
+  times the microbatches its pipeline schedule keeps in flight, plus the embedding's;
+- the step's peak: the largest of four phases (forward+loss, loss backward, the last
+  block's backward, the optimizer step) on top of the persistent state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.memory.assemble import Layout, assemble_rank, default_world_size, resolve_layout
+from trainer.memory.probes import (
+    BlockProbe,
+    balanced_experts,
+    fsdp_states,
+    is_expert,
+    local,
+    probe_block,
+    probe_head,
+    strip_fsdp,
+    tensor_bytes,
+    use_memory_probes,
+)
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass
+class MemoryEstimate:
+    config: str
+    model: str
+    world_size: int
+    layout: Layout
+    device: str
+    compute_dtype: str
+    ac_mode: str
+    chunked_ce: bool
+    tokens_per_microbatch: int
+    blocks_on_rank: int
+    in_flight_microbatches: float
+    # persistent, per rank (bytes)
+    params: int
+    grads: int
+    optimizer: int
+    # per step
+    fsdp_buffers: int
+    activations_per_block: dict  # "mode/kind" -> bytes of one block
+    activations: int  # all blocks on this rank, all in-flight microbatches (+ embedding)
+    loss_saved: int  # final norm + head + loss, kept for backward
+    loss_peak: int  # peak of the logits/loss region (forward or backward), incl. what it keeps
+    loss_peak_other: int | None  # the same for the other CE path (None: that path is refused here)
+    block_backward: int  # transient of one block's backward (recompute + grad buffers)
+    optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params)
+    phases: dict = field(default_factory=dict)  # step phase -> bytes above the persistent state
+    notes: list = field(default_factory=list)
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.optimizer
+
+    @property
+    def step_peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def total(self) -> int:
+        """Estimated peak per rank: persistent state + the largest step phase."""
+        return self.persistent + self.step_peak
+
+    @property
+    def saved_activations(self) -> int:
+        """Everything kept for backward in one microbatch's forward (blocks + head/loss)."""
+        return self.activations + self.loss_saved
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(persistent=self.persistent, step_peak=self.step_peak, total=self.total,
+                 saved_activations=self.saved_activations)
+        return d
+
+
+# ---------------------------------------------------------------------------
+# Reading the assembled rank
+# ---------------------------------------------------------------------------
+
+@dataclass
+class RankParams:
+    """What one PP rank's assembled parts hold, before any probe runs."""
+
+    param_bytes: int  # fp32 local shards of every parameter
+    unit_bytes: dict  # FSDP unit -> its gathered size in the compute dtype ("layers.K" units with nested ones)
+    head_param_bytes: int  # local fp32 shards of the final norm + output head
+    matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
+
+
+def _layer_key(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else name
+
+
+def read_params(parts) -> RankParams:
+    param_bytes = head = 0
+    matrix: dict[int, int] = {}
+    units: dict[str, int] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            param_bytes += tensor_bytes([p])
+            if name.startswith(("norm.", "output.")):
+                head += tensor_bytes([p])
+            if name.startswith("layers.") and p.dim() == 2:
+                lid = int(name.split(".")[1])
+                matrix[lid] = matrix.get(lid, 0) + local(p).numel()
+        for name, state in fsdp_states(part).items():
+            # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
+            gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
+                           for group in state._fsdp_param_groups for fp in group.fsdp_params)
+            key = "head" if name in ("norm", "output") else _layer_key(name)
+            units[key] = units.get(key, 0) + gathered
+    return RankParams(param_bytes, units, head, matrix)
+
+
+# ---------------------------------------------------------------------------
+# Probing the assembled rank
+# ---------------------------------------------------------------------------
+
+@dataclass
+class BlockReadout:
+    probes: dict  # kind -> BlockProbe
+    kind_of: dict  # layer id -> kind
+    label_of: dict  # kind -> "mode/dense" or "mode/moe"
+    embedding_saved: int
+    part_saved: list  # per part: what its forward keeps once for all its blocks (the RoPE table's cast)
+
+
+def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
+    """Probes every distinct block of this rank's parts (same local parameter shapes, AC
+    mode and input), and what the embedding keeps."""
+    from parallelisms.activation_checkpoint import SavedActivationCounter, block_mode
+
+    seq = cfg.training.seq_len
+    dtype = rank.stream_dtype
+    probes: dict = {}
+    kind_of: dict = {}
+    label_of: dict = {}
+    embedding_saved = 0
+    part_saved = []
+    with rank.fake_mode:
+        for part in rank.parts:
+            balanced_experts(part)
+            use_memory_probes(part)
+            # DecoderLM.forward casts the RoPE rows to the residual stream's dtype once; the
+            # blocks keep that one copy (a view of the table when no cast is needed).
+            rope_table = part.rope_cache[: layout.token_seq(seq)]
+            rope = rope_table.to(dtype)
+            part_saved.append(0 if rope is rope_table else rope.numel() * rope.element_size())
+            for i, (key, block) in enumerate(part.layers.items()):
+                lid = int(key)
+                # A stage without the embedding receives the full hidden state (the pipeline
+                # sends plain tensors); otherwise the residual stream is this rank's shard.
+                rows = layout.token_seq(seq) if i == 0 and part.tok_embeddings is None \
+                    else layout.residual_seq(seq)
+                shape = (mb, rows, cfg.model_args.dim)
+                mode = block_mode(cfg.activation_checkpoint, lid)
+                sig = tuple((n, tuple(local(p).shape), p.dtype) for n, p in block.named_parameters())
+                kind = (sig, mode, shape)
+                kind_of[lid] = kind
+                if kind not in probes:
+                    strip_fsdp(part, block)
+                    probes[kind] = probe_block(block, rope, input_shape=shape, dtype=dtype,
+                                               autocast=rank.precision.autocast, constants=(part.rope_cache, rope))
+                    label_of[kind] = f"{mode}/{'moe' if any(is_expert(n) for n, *_ in sig) else 'dense'}"
+            if part.tok_embeddings is not None:
+                strip_fsdp(part, part.tok_embeddings)
+                tokens = torch.zeros(mb, layout.token_seq(seq), dtype=torch.long)
+                with SavedActivationCounter(list(part.tok_embeddings.parameters())) as counter:
+                    part.tok_embeddings(tokens)
+                embedding_saved += counter.total_bytes
+    return BlockReadout(probes, kind_of, label_of, embedding_saved, part_saved)
+
+
+def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
+    """(this config's loss path, the other one or None where it is refused) on the part
+    holding the output head."""
+    seq = cfg.training.seq_len
+    dtype = rank.stream_dtype
+    part = next(p for p in rank.parts if p.output is not None)
+    kwargs = dict(input_shape=(mb, layout.residual_seq(seq), cfg.model_args.dim),
+                  labels_shape=(mb, layout.token_seq(seq)), dtype=dtype, autocast=rank.precision.autocast,
+                  loss_parallel=layout.loss_parallel)
+    with rank.fake_mode:
+        strip_fsdp(part, part.norm, part.output)
+        ours = probe_head(part, chunked=cfg.loss.chunked_ce, **kwargs)
+        other = probe_head(part, chunked=not cfg.loss.chunked_ce, **kwargs) if _chunked_ce_allowed(layout) else None
+    return ours, other
+
+
+def _chunked_ce_allowed(layout: Layout) -> bool:
+    return layout.tp == 1 and layout.pp == 1  # trainer.loss.LossConfig refuses it otherwise
+
+
+# ---------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------
+
+def _in_flight_units(schedule: str, pp: int, spr: int, n_mb: int, pp_rank: int = 0) -> int:
+    """Stage-microbatches whose activations a PP rank holds at once (each = that stage's
+    blocks x one microbatch): GPipe all; 1F1B warm-up depth; interleaved/V schedules
+    the interleaved warm-up ((v-1) x pp + 2 x (pp-1-rank)) + 1."""
+    if pp == 1:
+        return 1
+    if schedule in ("GPipe", "LoopedBFS"):
+        return n_mb * spr
+    if schedule == "1F1B":
+        return min(n_mb, pp - pp_rank)
+    warmup = (spr - 1) * pp + 2 * (pp - 1 - pp_rank)
+    return min(n_mb * spr, warmup + 1)
+
+
+def _optimizer_impl(cfg, device: str) -> str:
+    impl = cfg.optimizer.implementation
+    if impl == "auto":
+        impl = "fused" if device == "cuda" else "foreach"
+    return impl
+
+
+def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: torch.dtype) -> int:
+    if not layout.fsdp:
+        return 0
+    units = heavy.unit_bytes
+    largest_block = max((b for u, b in units.items() if u.startswith("layers.")), default=0)
+    reshard = {"always": True, "never": False, "default": layout.pp == 1}[par.fsdp_reshard_after_forward]
+    if reshard:
+        # the unit running + the next one prefetched, and the norm+output unit kept gathered
+        head = units.get("head", 0) if par.fsdp_reshard_after_forward != "always" else 0
+        buffers = 2 * largest_block + head
+    else:
+        buffers = sum(units.values())
+    if dtype != torch.float32:
+        buffers += largest_block * 4 // esize  # the block's reduce-scatter input in fp32
+    return int(buffers * esize)
+
+
+def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda", gpus_per_node: int = 8,
+                    config_name: str = "") -> MemoryEstimate:
+    """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks."""
+    from trainer.configurable import ConfigError
+    from trainer.model_args import model_label
+
+    if cfg.model_args is None:  # a JobConfig built in code, not by load_config
+        cfg.validate()
+    world = world_size or default_world_size(cfg.parallelism, gpus_per_node)
+    layout = resolve_layout(cfg, world)
+    t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    if ac.mode == "memory_budget":
+        raise ConfigError("config error: activation_checkpoint.mode: memory_budget is chosen by the compile "
+                          "partitioner and has no eager count; estimate with none/full/op instead")
+    notes: list[str] = []
+    if layout.pp > 1:
+        mb = par.pipeline_parallel_microbatch_size
+        n_mb = t.local_batch_size // mb
+    else:
+        mb, n_mb = t.local_batch_size, 1
+    grad_accum = 1
+    if t.global_batch_size > 0:
+        grad_accum = max(1, t.global_batch_size // (t.local_batch_size * layout.dp_replicate * layout.dp_shard))
+
+    # ---- every PP rank as the trainer assembles it; probes on rank 0 ----
+    per_rank: list[RankParams] = []
+    blocks = heads = None
+    for pp_rank in range(layout.pp):
+        with assemble_rank(cfg, world, pp_rank=pp_rank, device=device) as rank:
+            per_rank.append(read_params(rank.parts))
+            if pp_rank == 0:
+                precision, stage_layers, dtype = rank.precision, rank.stage_layer_ids, rank.stream_dtype
+                blocks = probe_blocks(rank, cfg, layout, mb)
+            if heads is None and any(p.output is not None for p in rank.parts):
+                heads = probe_heads(rank, cfg, layout, mb)
+    heavy = max(per_rank, key=lambda r: r.param_bytes)
+    p_bytes = heavy.param_bytes
+    opt_states = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
+    grads, optimizer = p_bytes, opt_states * p_bytes
+    offload = layout.fsdp and par.fsdp_cpu_offload
+    if offload:
+        notes.append("fsdp_cpu_offload: sharded params, grads and optimizer states live in host memory (not counted)")
+    autocast = precision.autocast
+    esize = torch.tensor([], dtype=dtype).element_size()
+
+    # ---- activations: rank 0's blocks with its schedule's in-flight microbatches (PP) ----
+    def block_saved(lid: int) -> int:
+        return blocks.probes[blocks.kind_of[lid]].saved
+
+    per_block: dict[str, int] = {}
+    for kind, label in blocks.label_of.items():
+        per_block.setdefault(label, blocks.probes[kind].saved)
+    stage_bytes = [sum(block_saved(i) for i in ids) + extra for ids, extra in zip(stage_layers, blocks.part_saved)]
+    if layout.pp > 1:
+        in_flight_units = _in_flight_units(par.pipeline_parallel_schedule, layout.pp,
+                                           par.pipeline_parallel_stages_per_rank, n_mb)
+        activations = max(stage_bytes) * in_flight_units
+        in_flight = in_flight_units / len(stage_layers)
+    else:
+        activations, in_flight = sum(stage_bytes), 1.0
+    activations += blocks.embedding_saved
+    if device == "cpu" and layout.cp > 1:  # CP attention's additive masks on CPU, shared by every layer
+        from parallelisms.context_parallel import cpu_mask_bytes
+
+        activations += cpu_mask_bytes(t.seq_len, layout.cp, par.context_parallel_method, esize)
+    layers_rank0 = [lid for ids in stage_layers for lid in ids]
+
+    # ---- logits / loss ----
+    head, other = heads
+    loss_peak = max(head.forward_peak, head.backward_peak)
+    loss_peak_other = max(other.forward_peak, other.backward_peak) if other is not None else None
+
+    fsdp_buffers = _fsdp_buffers(layout, par, heavy, esize, dtype)
+    if layout.fsdp:
+        notes.append("FSDP buffers: gathered params of the running + prefetched unit and the kept norm+output "
+                     "unit, in the compute dtype")
+
+    # ---- phases (bytes above params + optimizer states) ----
+    # grads alive before backward: none (zero_grad sets them to None), unless they
+    # accumulate over microbatches (grad accumulation, PP).
+    accum_grads = grads if (grad_accum > 1 or layout.pp > 1) else 0
+    phases = {}
+    # Autocast (no FSDP) caches the low-precision copy of every weight it casts until the
+    # forward+loss region ends; blocks without AC save those copies anyway (counted above).
+    autocast_cache = 0
+    if autocast is not None:
+        csize = torch.tensor([], dtype=autocast).element_size()
+        autocast_cache = sum(numel * csize for lid, numel in per_rank[0].matrix_numel.items()
+                             if lid in layers_rank0 and blocks.kind_of[lid][1] != "none")
+    phases["forward+loss"] = fsdp_buffers + accum_grads + activations + head.forward_peak + autocast_cache
+    phases["loss backward"] = fsdp_buffers + accum_grads + activations + head.backward_peak
+    # Backward through the blocks, last first: blocks before i still hold activations,
+    # blocks after i hold their (local, fp32) grads; block i runs its backward transient.
+    worst_block = 0
+    if stage_layers and stage_layers[-1]:
+        pr_last: BlockProbe = blocks.probes[blocks.kind_of[stage_layers[-1][-1]]]
+        head_grad_live = heavy.head_param_bytes if layout.fsdp else head.weight_grad_bytes
+        worst_block = pr_last.backward_extra
+        phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
+                                    pr_last.input_bytes + worst_block)
+    opt_tmp = p_bytes if _optimizer_impl(cfg, device) == "foreach" else 0
+    phases["optimizer step"] = grads + opt_tmp
+    if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:
+        notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding (params, "
+                     "grads and optimizer states are whole on every rank of the TP/PP group); pass --ngpu (e.g. "
+                     "several nodes) to lay the config out with FSDP")
+    if offload:
+        phases["optimizer step"] = 0
+        p_bytes, grads, optimizer = 0, 0, 0
+    if cfg.compile.enable:
+        notes.append("compile.enable: counted as eager execution (the compiled blocks may keep less)")
+    if getattr(cfg.model, "mtp_depth", 0):
+        notes.append(f"model.mtp_depth {cfg.model.mtp_depth}: the MTP modules' parameters are counted, their "
+                     "activations and extra logits are not")
+
+    compute = str(autocast or dtype).replace("torch.", "") + (" (autocast)" if autocast else "")
+    return MemoryEstimate(
+        config=config_name, model=model_label(cfg), world_size=world, layout=layout,
+        device=device, compute_dtype=compute, ac_mode=ac.mode, chunked_ce=cfg.loss.chunked_ce,
+        tokens_per_microbatch=mb * layout.token_seq(t.seq_len), blocks_on_rank=len(layers_rank0), in_flight_microbatches=in_flight,
+        params=int(p_bytes), grads=int(grads), optimizer=int(optimizer), fsdp_buffers=int(fsdp_buffers),
+        activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
+        loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
+        block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
+        notes=notes)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    L = est.layout
+    other = "off" if est.chunked_ce else "on"
+    lines = [
+        f"memory estimate: {est.model}{' (' + est.config + ')' if est.config else ''}, per rank, {est.device}",
+        f"  world {est.world_size}: dp_replicate {L.dp_replicate} x dp_shard {L.dp_shard} x cp {L.cp} x tp {L.tp} "
+        f"x pp {L.pp}"
+        f" (ep {L.ep}); compute dtype {est.compute_dtype}{' (FSDP mixed precision)' if L.fsdp else ''}",
+        f"  tokens per microbatch {est.tokens_per_microbatch}; AC {est.ac_mode}; chunked CE "
+        f"{'on' if est.chunked_ce else 'off'}; blocks on the busiest rank {est.blocks_on_rank}"
+        + (f"; in-flight microbatches {est.in_flight_microbatches:g}" if L.pp > 1 else ""),
+        "",
+        f"  {'parameters (fp32, sharded)':<44}{fmt_bytes(est.params):>12}",
+        f"  {'gradients (fp32, sharded)':<44}{fmt_bytes(est.grads):>12}",
+        f"  {'optimizer states (AdamW: 2 x fp32)':<44}{fmt_bytes(est.optimizer):>12}",
+        f"  {'FSDP gathered params / reduce buffers':<44}{fmt_bytes(est.fsdp_buffers):>12}",
+    ]
+    for k, v in est.activations_per_block.items():
+        lines.append(f"  {'activations per block (' + k + ')':<44}{fmt_bytes(v):>12}")
+    lines += [
+        f"  {'activations, all blocks on this rank':<44}{fmt_bytes(est.activations):>12}",
+        f"  {'logits/loss: kept for backward':<44}{fmt_bytes(est.loss_saved):>12}",
+        f"  {'logits/loss: peak (' + ('chunked' if est.chunked_ce else 'plain') + ' CE)':<44}"
+        f"{fmt_bytes(est.loss_peak):>12}",
+        f"  {'logits/loss: peak with chunked CE ' + other:<44}{fmt_bytes(est.loss_peak_other):>12}"
+        + ("  (refused with TP/PP)" if est.loss_peak_other is None else ""),
+        f"  {'one block backward (recompute + grads)':<44}{fmt_bytes(est.block_backward):>12}",
+        f"  {'optimizer step temporaries':<44}{fmt_bytes(est.optimizer_step):>12}",
+        "",
+        "  step phases (on top of params + optimizer states):",
+    ]
+    for k, v in est.phases.items():
+        mark = "  <- peak" if v == est.step_peak else ""
+        lines.append(f"    {k:<42}{fmt_bytes(v):>12}{mark}")
+    lines += ["", f"  {'TOTAL (estimated peak per rank)':<44}{fmt_bytes(est.total):>12}"]
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
