@@ -34,6 +34,7 @@ from trainer.model_args import check_tokenizer_fits, describe_args, model_label,
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
+from trainer.validation import Validator, training_holdout
 
 logger = logging.getLogger("trainer")
 
@@ -106,8 +107,13 @@ class Trainer:
         self.tokenizer = build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER))
         check_tokenizer_fits(self.tokenizer, self.model_args, model_label(cfg))
         self.dataloader = build_dataloader(
-            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
+            cfg.data, tokenizer=self.tokenizer, tokenizer_path=cfg.model.tokenizer_path, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
+            holdout=training_holdout(cfg.validation))
+        self.validator = None if not cfg.validation.enable else Validator(
+            cfg.validation, cfg.data, tokenizer=self.tokenizer, tokenizer_path=cfg.model.tokenizer_path,
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=self.dp_rank,
+            dp_world_size=self.dp_degree, seed=t.seed, dp_mesh=self.dims.mesh("dp_cp"))
 
         # ---- model: the one assembly path (parallelisms/apply.py) ----
         self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
@@ -259,13 +265,16 @@ class Trainer:
                 if self.step % t.gc_freq == 0:
                     gc.collect(1)
                 last = self.step == t.steps
-                log_now = self.metrics.should_log(self.step, last)
+                val_due = self.validator is not None and self.validator.should_run(self.step, last)
+                log_now = self.metrics.should_log(self.step, last) or val_due
                 result = self.train_step(self.next_microbatches(), with_metrics=log_now)
                 losses.append(result.loss)
                 self.metrics.add_tokens(tokens_per_step)
                 if log_now:
+                    extra = {**result.extra_metrics, **self.dataloader.metrics(),
+                             **(self.validator.evaluate(self) if val_due else {})}
                     self.metrics.record(self.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr,
-                                        extra=result.extra_metrics)
+                                        extra=extra)
                 if self.checkpointer.should_save(self.step, last):
                     self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:
