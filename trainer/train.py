@@ -102,16 +102,19 @@ class Trainer:
 
         # ---- data ----
         from trainer.data import build_dataloader
+        from trainer.data.masking import ModelInputs
         from trainer.data.tokenizer import build_tokenizer
 
-        self.tokenizer = build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER))
+        self.tokenizer_path = tokenizer_path(cfg, DEFAULT_TOKENIZER)
+        self.tokenizer = build_tokenizer(self.tokenizer_path)
         check_tokenizer_fits(self.tokenizer, self.model_args, model_label(cfg))
+        self.model_inputs = ModelInputs(cfg.data.document_masking, self.tokenizer)
         self.dataloader = build_dataloader(
-            cfg.data, tokenizer=self.tokenizer, tokenizer_path=cfg.model.tokenizer_path, seq_len=t.seq_len,
+            cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
             holdout=training_holdout(cfg.validation))
         self.validator = None if not cfg.validation.enable else Validator(
-            cfg.validation, cfg.data, tokenizer=self.tokenizer, tokenizer_path=cfg.model.tokenizer_path,
+            cfg.validation, cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path,
             seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=self.dp_rank,
             dp_world_size=self.dp_degree, seed=t.seed, dp_mesh=self.dims.mesh("dp_cp"))
 
@@ -195,9 +198,10 @@ class Trainer:
             stack.enter_context(autocast_context(self.precision, self.device.type))
             yield
 
-    def forward_kwargs(self, labels: torch.Tensor) -> dict:
-        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
-        return {"mtp_labels": labels} if self.mtp_depth else {}
+    def forward_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels;
+        document masking passes each document's positions and ids (trainer/data/masking.py)."""
+        return {**({"mtp_labels": labels} if self.mtp_depth else {}), **self.model_inputs(inputs)}
 
     def forward_backward(self, batches) -> torch.Tensor:
         """Runs every microbatch's forward and backward (or the pipeline schedule); returns
@@ -209,13 +213,14 @@ class Trainer:
                 losses: list[torch.Tensor] = []
                 targets = labels if self.has_last_stage else None
                 stage_inputs = (inputs,) if self.has_first_stage else ()
-                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
+                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses,
+                                      **self.forward_kwargs(inputs, labels))
                 for loss in losses:
                     loss_sum += loss.token_terms
             else:
                 model = self.model_parts[0]
                 with chunked_ce_labels(model, labels):  # no reference to the logits outlives the loss
-                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
+                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(inputs, labels)), labels)
                 loss.backward()
                 loss_sum += loss.token_terms
         return loss_sum

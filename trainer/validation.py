@@ -123,12 +123,12 @@ def model_loss_sum(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch
             losses: list[torch.Tensor] = []
             targets = labels if trainer.has_last_stage else None
             stage_inputs = (inputs,) if trainer.has_first_stage else ()
-            trainer.pp_schedule.eval(*stage_inputs, target=targets, losses=losses)
+            trainer.pp_schedule.eval(*stage_inputs, target=targets, losses=losses, **trainer.model_inputs(inputs))
             out = (torch.stack(losses).sum().float() if trainer.has_last_stage
                    else torch.zeros((), device=inputs.device))
             dist.all_reduce(out, group=trainer.dims.mesh("pp").get_group())
             return out
         model = trainer.model_parts[0]
         with chunked_ce_labels(model, labels):
-            output = model(inputs)
+            output = model(inputs, **trainer.model_inputs(inputs))
         return trainer.loss_fn(output, labels).float()

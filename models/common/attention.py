@@ -9,6 +9,15 @@ projections, while the model code stays free of collectives and masks.
 Layout: q [B, Hq, S, Dqk], k [B, Hkv, S, Dqk], v [B, Hkv, S, Dv] -> [B, Hq, S, Dv],
 causal. Hkv may divide Hq (GQA): SDPA's `enable_gqa` broadcasts the KV heads
 instead of materialising `repeat_interleave` copies of k and v.
+
+Document masking: `DocumentMask(document_ids)` ([B, S] ids, equal within one packed
+document) makes attention block-causal, so no token attends across a document
+boundary. The model builds it once per forward from a tensor it is given (so pipeline
+schedules split it per microbatch like any input) and hands the same object to every
+layer's `sdpa(..., mask=...)`. On CUDA the mask is a flex-attention BlockMask (only
+the blocks that hold allowed pairs are computed); elsewhere, and where flex attention
+is unavailable, it is a dense [B, 1, S, S] boolean mask for SDPA (flex attention's
+backward does not run on CPU in torch 2.13).
 """
 
 from __future__ import annotations
@@ -32,10 +41,80 @@ class SDPA(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: "DocumentMask | None" = None) -> torch.Tensor:
         pad = q.shape[-1] - v.shape[-1]
         if pad > 0:
             v = F.pad(v, (0, pad))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        elif mask.use_flex(q):
+            out = _compiled_flex()(q, k, v, block_mask=mask.block_mask(q), scale=self.scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=self.scale, enable_gqa=gqa)
         return out[..., : out.shape[-1] - pad] if pad > 0 else out
+
+
+class DocumentMask:
+    """Block-causal attention over packed documents: query i sees key j iff j <= i and both
+    lie in the same document. Built lazily, once per forward, in the form the device runs."""
+
+    def __init__(self, document_ids: torch.Tensor, backend: str = "auto"):
+        self.document_ids = document_ids  # [B, S]
+        self.backend = backend  # auto (flex on CUDA), flex, or sdpa
+        self._dense: torch.Tensor | None = None
+        self._block = None
+
+    def use_flex(self, q: torch.Tensor) -> bool:
+        if self.backend == "sdpa":
+            return False
+        return self.backend == "flex" or (q.is_cuda and _flex_available())
+
+    def dense(self) -> torch.Tensor:
+        """[B, 1, S, S] bool, True where attention is allowed."""
+        if self._dense is None:
+            doc = self.document_ids
+            seq = doc.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+            self._dense = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+        return self._dense
+
+    def block_mask(self, q: torch.Tensor):
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = self.document_ids
+
+            def block_causal(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+            self._block = create_block_mask(block_causal, doc.shape[0], None, doc.shape[1], doc.shape[1],
+                                            device=doc.device)
+        return self._block
+
+
+def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """[B, S] positions that restart at 0 at each document -> [B, S] document ids."""
+    return torch.cumsum((positions == 0).to(torch.int32), dim=1)
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    """flex_attention compiled once: its eager form materialises the scores and is for debugging only."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX

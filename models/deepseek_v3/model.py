@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from models.common.attention import SDPA
+from models.common.attention import DocumentMask, SDPA
 from models.common.decoder import DecoderLM, FeedForward
 from models.common.init import trunc_normal_
 from models.common.moe import MoE, MoEArgs
@@ -96,7 +96,7 @@ class MLA(nn.Module):
         self.kv_latent = nn.Identity()
         self.sdpa = SDPA(scale=self.softmax_scale)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 head counts: under TP these projections hold only the local heads.
@@ -113,7 +113,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, v_head_dim]
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask)  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -150,8 +150,8 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 

@@ -85,8 +85,8 @@ def builtin_tokens(tokenizer: Tokenizer, tokenizer_sha256: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- files
 
 
-def files_tokens(tokenizer: Tokenizer, tokenizer_sha256: str, path: str, *, text_field: str = "text", split: str | None = None,
-                 what: str = "data.path") -> np.ndarray:
+def files_tokens(tokenizer: Tokenizer, tokenizer_sha256: str, path: str, *, text_field: str = "text",
+                 split: str | None = None, what: str = "data.path") -> np.ndarray:
     """Tokens of the documents under `path` (any documents.py input), tokenized once and
     cached by file list, sizes, mtimes and text field. For corpora that fit in memory;
     larger ones go through scripts/tokenize_data.py."""

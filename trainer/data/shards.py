@@ -36,13 +36,17 @@ MANIFEST = "manifest.json"
 INDEX_DTYPE = np.dtype("<u8")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt")
+
+
 def tokenizer_hash(path: str) -> str:
-    """sha256 of the tokenizer file's bytes (of every file, by sorted name, for a folder)."""
+    """sha256 of the tokenizer file's bytes (for a model folder: of its TOKENIZER_FILES, by name)."""
     h = hashlib.sha256()
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # a model folder: only its tokenizer files, never the weights
         for name in sorted(os.listdir(path)):
             full = os.path.join(path, name)
-            if os.path.isfile(full):
+            if os.path.isfile(full) and name in TOKENIZER_FILES:
                 h.update(name.encode() + b"\0")
                 with open(full, "rb") as f:
                     h.update(f.read())
