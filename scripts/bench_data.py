@@ -72,8 +72,7 @@ def make_token_folder(folder: Path, num_tokens: int, shard_tokens: int = 1 << 25
 
 
 def child_reader(folder: str, seq_len: int, batch: int, batches: int) -> dict:
-    from trainer.data import DataConfig, build_dataloader, build_tokenizer
-    from trainer.data import loader as _  # noqa: F401  (imports torch before the clock starts)
+    from trainer.data import DataConfig, build_dataloader, build_tokenizer  # imports torch, before the clock
 
     rss0 = _rss_mib()  # after imports (torch), before the data
     t0 = time.perf_counter()
@@ -155,11 +154,13 @@ def main() -> None:
         make_token_folder(root / f"tokens_{n}", n)
     common = ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--batches", str(args.batches)]
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
-    for _ in range(args.rounds):
+    steps = []
+    for _ in range(args.rounds):  # interleaved: every round measures every size and the training step
         for n in sizes:
             runs[n].append(_child([*common, "--child", "reader", str(root / f"tokens_{n}")]))
-    step = _child(["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--step-steps", str(args.step_steps),
-                   "--child", "step"])["step_s"]
+        steps.append(_child(["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--step-steps",
+                             str(args.step_steps), "--child", "step"])["step_s"])
+    step = min(steps)
     consumed = args.batch / step
     print(f"reader: seq_len {args.seq_len}, batch {args.batch}, {args.batches} batches per run, best of "
           f"{args.rounds} interleaved rounds; RSS includes torch (base = after imports)")

@@ -4,14 +4,12 @@ grads within 1e-6), for Llama (GQA) and DeepSeek (MLA + MoE); composes with TP, 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, TINY, free_port, read_metrics, run_in_process, run_killing_group
+from tests.helpers import TINY, read_metrics, run_in_process, tiny_seed_checkpoint, torchrun
 from trainer.data.masking import document_inputs
 
 BOS = 7
@@ -96,12 +94,9 @@ def test_dense_and_flex_masks_agree_on_cpu_forward():
 def test_document_masking_composes_with_tp_pp_fsdp(tmp_path, monkeypatch):
     """Two steps with document masking from a seed checkpoint: TP 2, PP 2 and FSDP 2 equal one rank."""
     monkeypatch.setenv("TITAN_DATA_CACHE", str(tmp_path / "cache"))
-    seed = tmp_path / "seed"
-    run_in_process(TINY + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--job.dump_folder",
-                           str(seed)])
-    common = TINY + ["--training.steps", "2", "--training.global_batch_size", "4", "--data.document_masking",
-                     "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                     str(seed / "checkpoint" / "step-0")]
+    common = TINY + tiny_seed_checkpoint(tmp_path / "seed") + [
+        "--training.steps", "2", "--training.global_batch_size", "4", "--data.document_masking",
+        "--lr_scheduler.warmup_steps", "0"]
     ref, _ = run_in_process(common + ["--job.dump_folder", str(tmp_path / "one")])
     layouts = {"tp2": ["--parallelism.tensor_parallel_degree", "2"],
                "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
@@ -109,12 +104,7 @@ def test_document_masking_composes_with_tp_pp_fsdp(tmp_path, monkeypatch):
                "fsdp2": []}
     cases = [{"name": n, "args": common + extra + ["--job.dump_folder", str(tmp_path / n)]} for n, extra in layouts.items()]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
-           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(REPO / "tests" / "parallel_worker.py"),
-           str(tmp_path / "cases.json"), str(tmp_path / "dumps")]
-    proc = run_killing_group(cmd, cwd=REPO, env=env, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "dumps")], timeout=500, module="tests.parallel_worker")
     for name in layouts:
         got = [r["loss"] for r in read_metrics(tmp_path / name)]
         assert len(got) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), (name, got, ref)

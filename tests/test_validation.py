@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, TINY, read_metrics, run_in_process, run_killing_group
+from tests.helpers import TINY, read_metrics, run_in_process, tiny_seed_checkpoint, torchrun
 from trainer.configurable import ConfigError
 
 
@@ -60,12 +58,8 @@ def test_validation_config_errors(tmp_path):
 @pytest.mark.slow
 def test_validation_same_under_fsdp_and_pp(tmp_path):
     """One step from a seed checkpoint, then val/loss: one rank = FSDP over 2 = PP over 2."""
-    seed = tmp_path / "seed"
-    run_in_process(TINY + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--job.dump_folder",
-                           str(seed)])
-    common = TINY + ["--training.steps", "1", "--training.global_batch_size", "4", "--validation.enable",
-                     "--validation.freq", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                     str(seed / "checkpoint" / "step-0")]
+    common = TINY + tiny_seed_checkpoint(tmp_path / "seed") + [
+        "--training.steps", "1", "--training.global_batch_size", "4", "--validation.enable", "--validation.freq", "1"]
     # dp 1 evaluates 2 batches of 2; dp 2 one step of 2 per rank: the same 4 windows
     run_in_process(common + ["--validation.steps", "2", "--job.dump_folder", str(tmp_path / "one")])
     cases = [{"name": "fsdp2", "args": common + ["--validation.steps", "1", "--job.dump_folder",
@@ -74,14 +68,7 @@ def test_validation_same_under_fsdp_and_pp(tmp_path):
                                                "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
                                                "--job.dump_folder", str(tmp_path / "pp2")]}]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    from tests.helpers import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
-           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(REPO / "tests" / "parallel_worker.py"),
-           str(tmp_path / "cases.json"), str(tmp_path / "dumps")]
-    proc = run_killing_group(cmd, cwd=REPO, env=env, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "dumps")], timeout=500, module="tests.parallel_worker")
     ref = next(r for r in read_metrics(tmp_path / "one") if "val/loss" in r)["val/loss"]
     for name in ("fsdp2", "pp2"):
         got = next(r for r in read_metrics(tmp_path / name) if "val/loss" in r)["val/loss"]

@@ -100,11 +100,9 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
 
 
 def _flex_available() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 _FLEX = None

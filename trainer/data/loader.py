@@ -7,7 +7,7 @@ import logging
 
 from trainer.configurable import ConfigError
 from trainer.data.config import SOURCE_TYPES, DataConfig, SourceSpec
-from trainer.data.datasets import builtin_tokens, files_tokens, tokenize_documents
+from trainer.data.datasets import builtin_tokens, files_tokens
 from trainer.data.shards import TokenShards, tokenizer_hash
 from trainer.data.stream import DataLoader, MixtureStream
 from trainer.data.windows import ArrayWindows, ShardWindows, SyntheticWindows, WindowRange
