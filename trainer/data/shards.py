@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -131,6 +132,15 @@ class Shard:
     docs: int
 
 
+def _advise_random(arr: np.ndarray) -> None:
+    """Windows are read in shuffled order: tell the kernel not to read ahead around each one
+    (readahead would fetch, and map into this process, pages no window asks for)."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        with contextlib.suppress(OSError):
+            mm.madvise(mmap.MADV_RANDOM)
+
+
 class TokenShards:
     """A finished token folder, memory-mapped lazily: opening it reads only the manifest and
     stats the shard files, so start-up and memory do not depend on the number of tokens."""
@@ -180,6 +190,7 @@ class TokenShards:
             s = self.shards[shard]
             arr = (np.memmap(s.path, dtype=self.dtype, mode="r", shape=(s.tokens,)) if s.tokens
                    else np.zeros(0, self.dtype))
+            _advise_random(arr)
             self._maps[shard] = arr
         return arr
 
