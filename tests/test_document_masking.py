@@ -81,11 +81,12 @@ def test_dense_and_flex_masks_agree_on_cpu_forward():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 32, 16, generator=g) for _ in range(3))
     tokens = torch.tensor([[BOS] + [1] * 9 + [BOS] + [2] * 21, [3] * 5 + [BOS] * 27])
-    mask = DocumentMask(document_inputs(tokens, BOS)["document_ids"])
+    ids = document_inputs(tokens, BOS)["document_ids"]
+    mask = DocumentMask(ids)
     dense = SDPA()(q, k, v, mask=mask)  # CPU: the dense SDPA mask
-    assert not mask.use_flex(q)
+    assert mask.block is None and mask.dense.shape == (2, 1, 32, 32)
     with pytest.warns(UserWarning, match="without torch.compile"):  # eager flex: fine for a forward check
-        flex = flex_attention(q, k, v, block_mask=mask.block_mask(q))
+        flex = flex_attention(q, k, v, block_mask=DocumentMask(ids, backend="flex").block)
     assert torch.allclose(dense, flex, atol=1e-5)
 
 

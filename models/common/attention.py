@@ -16,8 +16,8 @@ boundary. The model builds it once per forward from a tensor it is given (so pip
 schedules split it per microbatch like any input) and hands the same object to every
 layer's `sdpa(..., mask=...)`. On CUDA the mask is a flex-attention BlockMask (only
 the blocks that hold allowed pairs are computed); elsewhere, and where flex attention
-is unavailable, it is a dense [B, 1, S, S] boolean mask for SDPA (flex attention's
-backward does not run on CPU in torch 2.13).
+is unavailable, a dense [B, 1, S, S] boolean mask for SDPA (flex attention's backward
+does not run on CPU in torch 2.13).
 """
 
 from __future__ import annotations
@@ -49,54 +49,42 @@ class SDPA(nn.Module):
         gqa = k.shape[1] != q.shape[1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        elif mask.use_flex(q):
-            out = _compiled_flex()(q, k, v, block_mask=mask.block_mask(q), scale=self.scale, enable_gqa=gqa)
+        elif mask.block is not None:
+            out = _compiled_flex()(q, k, v, block_mask=mask.block, scale=self.scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=self.scale, enable_gqa=gqa)
         return out[..., : out.shape[-1] - pad] if pad > 0 else out
 
 
 class DocumentMask:
     """Block-causal attention over packed documents: query i sees key j iff j <= i and both
-    lie in the same document. Built lazily, once per forward, in the form the device runs."""
+    lie in the same document. Built once per forward, before the blocks run (so compiled
+    blocks and activation-checkpoint recomputes only read it), in the form the device runs:
+    a flex-attention BlockMask on CUDA, a dense [B, 1, S, S] boolean SDPA mask elsewhere."""
 
     def __init__(self, document_ids: torch.Tensor, backend: str = "auto"):
+        if backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"backend must be auto, flex or sdpa, got {backend!r}")
         self.document_ids = document_ids  # [B, S]
-        self.backend = backend  # auto (flex on CUDA), flex, or sdpa
-        self._dense: torch.Tensor | None = None
-        self._block = None
-
-    def use_flex(self, q: torch.Tensor) -> bool:
-        if self.backend == "sdpa":
-            return False
-        return self.backend == "flex" or (q.is_cuda and _flex_available())
-
-    def dense(self) -> torch.Tensor:
-        """[B, 1, S, S] bool, True where attention is allowed."""
-        if self._dense is None:
-            doc = self.document_ids
-            seq = doc.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
-            self._dense = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
-        return self._dense
-
-    def block_mask(self, q: torch.Tensor):
-        if self._block is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            doc = self.document_ids
-
-            def block_causal(b, h, q_idx, kv_idx):
-                return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
-
-            self._block = create_block_mask(block_causal, doc.shape[0], None, doc.shape[1], doc.shape[1],
-                                            device=doc.device)
-        return self._block
+        flex = backend == "flex" or (backend == "auto" and document_ids.is_cuda and _flex_available())
+        self.block = _block_causal_block_mask(document_ids) if flex else None
+        self.dense = None if flex else _block_causal_dense(document_ids)
 
 
-def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """[B, S] positions that restart at 0 at each document -> [B, S] document ids."""
-    return torch.cumsum((positions == 0).to(torch.int32), dim=1)
+def _block_causal_dense(doc: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool, True where attention is allowed."""
+    seq = doc.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+
+
+def _block_causal_block_mask(doc: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return create_block_mask(block_causal, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
 
 
 def _flex_available() -> bool:
