@@ -99,3 +99,24 @@ def test_stream_other_layout_is_approximate_and_too_few_files_is_an_error(tmp_pa
     assert len(_take(iter(other), 3)) == 3 and "streaming sources were read by" in caplog.text
     with pytest.raises(ConfigError, match="5 files/row groups for 8 readers"):
         next(iter(_loader(tok, tmp_path / "c", world=8)))
+
+
+def test_stream_state_survives_dcp_into_a_fresh_template(tmp_path, tok):
+    """The Checkpointer loads into the state_dict() of a fresh loader (no readers yet): all
+    reader states must still come back."""
+    import torch.distributed.checkpoint as dcp
+
+    _corpus(tmp_path / "c")
+    dl = _loader(tok, tmp_path / "c", workers=2)
+    it = iter(dl)
+    _take(it, 5)
+    with pytest.warns(UserWarning):  # one process, no process group
+        dcp.save({"dl": dl.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+    expected = _take(it, 8)
+    fresh = _loader(tok, tmp_path / "c", workers=2)
+    template = {"dl": fresh.state_dict()}
+    with pytest.warns(UserWarning):
+        dcp.load(template, checkpoint_id=str(tmp_path / "ck"))
+    fresh.load_state_dict(template["dl"])
+    got = _take(iter(fresh), 8)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))

@@ -25,6 +25,7 @@ so the main process always knows the state of what it has handed out, prefetchin
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 
@@ -171,10 +172,14 @@ class DataLoader:
         return dict(self._position)
 
     def state_dict(self) -> dict:
-        return {"position": dict(self._position), "streams": dict(self._streams), "meta": self.dataset.meta(),
-                "stream_layout": self.dataset.stream_layout(self.num_workers)}
+        """One JSON string: torch.distributed.checkpoint loads into a template of the same keys,
+        and a single leaf keeps that template valid whatever sources, readers or carry it holds."""
+        return {"loader_state": json.dumps({
+            "position": self._position, "streams": self._streams, "meta": self.dataset.meta(),
+            "stream_layout": self.dataset.stream_layout(self.num_workers)}, sort_keys=True)}
 
     def load_state_dict(self, state: dict) -> None:
+        state = json.loads(state["loader_state"]) if "loader_state" in state else state
         position, meta = dict(state["position"]), self.dataset.meta()
         if state.get("meta") != meta:
             logger.warning("data: the saved position was taken with %s but this run has %s; resuming approximately "
