@@ -148,3 +148,8 @@ def test_reader_refuses_damage_and_other_tokenizers(tmp_path, tok):
         TokenShards(str(out))
     with pytest.raises(ConfigError, match="no manifest.json"):
         TokenShards(str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        TokenShards(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="none of the 50 records .* has a non-empty 'body' text"):
+        tokenize_to_shards([str(tmp_path / "in.jsonl")], str(tmp_path / "wrong"), TOKENIZER, text_field="body",
+                           progress_bar=False)

@@ -191,6 +191,10 @@ def tokenize_to_shards(inputs: list[str], output: str, tokenizer_path: str, *, t
                 drain_one()
         while pending:
             drain_one()
+        if not writer.tokens and not progress["shards"]:
+            raise ConfigError(f"config error: --text-field: none of the {stats['skipped_records']:,} records of "
+                              f"{', '.join(inputs)} has a non-empty {text_field!r} text; pass the field that holds "
+                              "the text")
         if writer.tokens:
             progress["shards"].append(writer.finish())
         else:

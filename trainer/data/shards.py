@@ -149,6 +149,8 @@ class TokenShards:
         self.folder = folder
         fix = f"run `python scripts/tokenize_data.py --input <corpus> --output {folder}`"
         manifest = os.path.join(folder, MANIFEST)
+        if not os.path.isdir(folder):
+            raise ConfigError(f"config error: {what}: {folder} does not exist; {fix}")
         if not os.path.isfile(manifest):
             if os.path.isfile(os.path.join(folder, "progress.json")):
                 raise ConfigError(f"config error: {what}: {folder} is only partly tokenized (no {MANIFEST} yet); "
