@@ -88,7 +88,8 @@ class Validator:
 
     def evaluate(self, trainer) -> dict[str, float]:
         """Runs the evaluation through the trainer's model and logs it on the logging rank."""
-        metrics = self.run(lambda x, y: model_loss_sum(trainer, x, y), trainer.device)
+        with trainer.metrics.paused():
+            metrics = self.run(lambda x, y: model_loss_sum(trainer, x, y), trainer.device)
         if trainer.is_logging_rank:
             logger.info(f"validation {trainer.step:>6} | val/loss {metrics['val/loss']:8.4f} | "
                         f"val/perplexity {metrics['val/perplexity']:10.3f}")
