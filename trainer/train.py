@@ -34,7 +34,7 @@ from trainer.model_args import check_tokenizer_fits, describe_args, model_label,
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
-from trainer.validation import Validator, training_holdout
+from trainer.validation import build_validator, training_holdout
 
 logger = logging.getLogger("trainer")
 
@@ -113,10 +113,8 @@ class Trainer:
             cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
             holdout=training_holdout(cfg.validation))
-        self.validator = None if not cfg.validation.enable else Validator(
-            cfg.validation, cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=self.dp_rank,
-            dp_world_size=self.dp_degree, seed=t.seed, dp_mesh=self.dims.mesh("dp_cp"))
+        self.validator = build_validator(cfg, self.tokenizer, self.tokenizer_path, self.dp_rank, self.dp_degree,
+                                         self.dims.mesh("dp_cp"))
 
         # ---- model: the one assembly path (parallelisms/apply.py) ----
         self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)

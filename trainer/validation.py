@@ -61,6 +61,17 @@ def training_holdout(cfg: ValidationConfig) -> float:
     return cfg.holdout if cfg.enable and not cfg.sources else 0.0
 
 
+def build_validator(cfg, tokenizer, tokenizer_path: str, dp_rank: int, dp_world_size: int,
+                    dp_mesh) -> "Validator | None":
+    """The job's Validator (None when validation is off)."""
+    if not cfg.validation.enable:
+        return None
+    t = cfg.training
+    return Validator(cfg.validation, cfg.data, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                     seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=dp_rank,
+                     dp_world_size=dp_world_size, seed=t.seed, dp_mesh=dp_mesh)
+
+
 class Validator:
     """Builds the validation loader of this dp rank and computes val/loss on demand."""
 

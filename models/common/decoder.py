@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common.init import trunc_normal_
 from models.common.attention import DocumentMask
+from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 
 
