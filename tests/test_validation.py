@@ -56,8 +56,8 @@ def test_validation_config_errors(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_validation_same_under_fsdp_and_pp(tmp_path):
-    """One step from a seed checkpoint, then val/loss: one rank = FSDP over 2 = PP over 2."""
+def test_validation_same_under_fsdp_pp_and_cp(tmp_path):
+    """One step from a seed checkpoint, then val/loss: one rank = FSDP over 2 = PP over 2 = CP over 2."""
     common = TINY + tiny_seed_checkpoint(tmp_path / "seed") + [
         "--training.steps", "1", "--training.global_batch_size", "4", "--validation.enable", "--validation.freq", "1"]
     # dp 1 evaluates 2 batches of 2; dp 2 one step of 2 per rank: the same 4 windows
@@ -66,10 +66,12 @@ def test_validation_same_under_fsdp_and_pp(tmp_path):
                                                  str(tmp_path / "fsdp2")]},
              {"name": "pp2", "args": common + ["--validation.steps", "2", "--parallelism.pipeline_parallel_degree",
                                                "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
-                                               "--job.dump_folder", str(tmp_path / "pp2")]}]
+                                               "--job.dump_folder", str(tmp_path / "pp2")]},
+             {"name": "cp2", "args": common + ["--validation.steps", "2", "--parallelism.context_parallel_degree", "2",
+                                               "--job.dump_folder", str(tmp_path / "cp2")]}]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "dumps")], timeout=500, module="tests.parallel_worker")
     ref = next(r for r in read_metrics(tmp_path / "one") if "val/loss" in r)["val/loss"]
-    for name in ("fsdp2", "pp2"):
+    for name in ("fsdp2", "pp2", "cp2"):
         got = next(r for r in read_metrics(tmp_path / name) if "val/loss" in r)["val/loss"]
         assert abs(got - ref) <= 1e-5 * ref, (name, got, ref)

@@ -4,8 +4,9 @@ The split is either its own sources (`validation.sources`, same tables as data.s
 or the last `holdout` fraction of every training source's windows, which training then
 never sees. Each evaluation reads the same `steps` batches per rank from the start of
 the split (so successive values are comparable), runs the forward only under no_grad,
-and reduces the summed token loss and the token count over dp: val/loss is the mean
-over all valid tokens, val/perplexity its exp.
+and reduces the summed token loss and the token count over dp and CP (each CP rank holds
+its own chunks of every sequence, cut as in training): val/loss is the mean over all valid
+tokens, val/perplexity its exp.
 
 The forward is the trainer's: `model_loss_sum(trainer, inputs, labels)` calls the model
 (or, under pipeline parallelism, the schedule's forward-only `eval`, the loss arriving
@@ -99,21 +100,29 @@ class Validator:
 
     def evaluate(self, trainer) -> dict[str, float]:
         """Runs the evaluation through the trainer's model and logs it on the logging rank."""
+        prepare = None
+        if trainer.dims.cp > 1:  # as in training: each CP rank keeps its two chunks of every sequence
+            from parallelisms.context_parallel import shard_microbatch
+
+            prepare = lambda x, y: shard_microbatch(x, y, trainer.dims.mesh("cp"))  # noqa: E731
         with trainer.metrics.paused():
-            metrics = self.run(lambda x, y: model_loss_sum(trainer, x, y), trainer.device)
+            metrics = self.run(lambda x, y: model_loss_sum(trainer, x, y), trainer.device, prepare=prepare)
         if trainer.is_logging_rank:
             logger.info(f"validation {trainer.step:>6} | val/loss {metrics['val/loss']:8.4f} | "
                         f"val/perplexity {metrics['val/perplexity']:10.3f}")
         return metrics
 
     def run(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-            ignore_index: int = -100) -> dict[str, float]:
-        """val/loss (mean token loss over all dp ranks) and val/perplexity."""
+            ignore_index: int = -100, prepare: Callable | None = None) -> dict[str, float]:
+        """val/loss (mean token loss over all dp ranks) and val/perplexity; `prepare` maps a
+        batch to what this rank feeds the model (its CP shard)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
         count = torch.zeros((), dtype=torch.float64, device=device)
         with torch.no_grad():
             for inputs, labels in self.batches():
                 inputs, labels = inputs.to(device), labels.to(device)
+                if prepare is not None:
+                    inputs, labels = prepare(inputs, labels)
                 total += loss_sum(inputs, labels).to(torch.float64)
                 count += (labels != ignore_index).sum().to(torch.float64)
         if self.dp_group is not None:

@@ -99,3 +99,7 @@ class DataConfig:
 
     def validate(self, root) -> None:
         self.source_specs()
+        if self.document_masking and root.parallelism.context_parallel_degree > 1:
+            raise ConfigError("config error: data.document_masking: not supported with "
+                              "parallelism.context_parallel_degree > 1 yet (the CP attention takes no document "
+                              "mask); turn one of them off")
