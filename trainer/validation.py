@@ -135,21 +135,24 @@ class Validator:
 
 def model_loss_sum(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed token loss of one batch through the trainer's model parts, forward only,
-    inside the trainer's own train_context (normalised by 1, so the loss is the sum)."""
+    inside the trainer's own train_context (normalised by 1, so the loss is the sum). With
+    multi-token prediction this is the main head's loss (`token_terms[0]`), as logged."""
     from trainer.loss import chunked_ce_labels
 
     one = torch.ones((), device=inputs.device)
+    kwargs = trainer.forward_kwargs(inputs, labels)
     with trainer.train_context(one):
         if trainer.pp_schedule is not None:
             losses: list[torch.Tensor] = []
             targets = labels if trainer.has_last_stage else None
             stage_inputs = (inputs,) if trainer.has_first_stage else ()
-            trainer.pp_schedule.eval(*stage_inputs, target=targets, losses=losses, **trainer.model_inputs(inputs))
-            out = (torch.stack(losses).sum().float() if trainer.has_last_stage
-                   else torch.zeros((), device=inputs.device))
+            trainer.pp_schedule.eval(*stage_inputs, target=targets, losses=losses, **kwargs)
+            out = torch.zeros((), device=inputs.device)
+            for loss in losses:
+                out += loss.token_terms[0].float()
             dist.all_reduce(out, group=trainer.dims.mesh("pp").get_group())
             return out
         model = trainer.model_parts[0]
         with chunked_ce_labels(model, labels):
-            output = model(inputs, **trainer.model_inputs(inputs))
-        return trainer.loss_fn(output, labels).float()
+            loss = trainer.loss_fn(model(inputs, **kwargs), labels)
+        return loss.token_terms[0].float()
