@@ -178,7 +178,7 @@ class DeepSeekV3(DecoderLM):
             layer.init_weights()
 
     def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, positions: torch.Tensor | None = None,
-                mtp_labels: torch.Tensor | None = None):
+                mtp_labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """As DecoderLM.forward; with MTP and `mtp_labels` (training), the logits of the main
         head and of every MTP depth, concatenated on the batch dim: [(1 + D) * B, S, V].
 
@@ -186,7 +186,7 @@ class DeepSeekV3(DecoderLM):
         the last returns (hidden, *MTP embeddings), and takes them as `tokens, *carried`."""
         depth = self.args.mtp_depth
         if depth == 0 or mtp_labels is None:
-            return super().forward(tokens, positions)
+            return super().forward(tokens, positions, document_ids)
         if self.tok_embeddings is not None:
             # One embedding call for the inputs and the MTP tokens: [(1 + D) * B, S, dim].
             embedded = self.tok_embeddings(torch.cat([tokens, mtp_embedding_ids(mtp_labels, depth)], dim=0))
@@ -194,13 +194,14 @@ class DeepSeekV3(DecoderLM):
         else:
             h = tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
+        mask = {} if document_ids is None else {"mask": DocumentMask(document_ids)}
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, **mask)
         if self.output is None:
             return (h, *(pipeline_tensor(c) for c in carried))
         hidden = [self.norm(h)]
         for layer, emb in zip(self.mtp.values(), carried):
-            hidden.append(layer(hidden[-1], emb, rope))
+            hidden.append(layer(hidden[-1], emb, rope, **mask))
         return self.output(torch.cat(hidden, dim=0))
 
     def _rope_cache(self) -> torch.Tensor:
