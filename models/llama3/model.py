@@ -57,8 +57,10 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init keeps the residual stream's variance flat in deep models.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, **mask: DocumentMask) -> torch.Tensor:
+        # `mask` (data.document_masking) reaches the attention only when given, so attentions
+        # that take none (a plan's or another model's) keep working.
+        h = x + self.attention(self.attention_norm(x), rope, **mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
