@@ -35,7 +35,7 @@ def run_trainer(overrides: list[str], steps: int, warmup: int) -> dict:
 
     cfg = load_config(["--config", "llama_debug.toml", "--training.steps", str(steps), "--metrics.log_freq",
                        str(10**6), "--metrics.enable_tensorboard", "false", "--job.dump_folder",
-                       "/tmp/bench_train", "--training.dataset", "synthetic", *overrides])
+                       "/tmp/bench_train", "--data.type", "synthetic", *overrides])
     trainer = Trainer(cfg)
     times = []
     for _ in range(steps):
@@ -52,11 +52,12 @@ def run_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     import torch.nn.functional as F
 
     from models import get_model_spec
-    from trainer.config import load_config
+    from trainer.config import DEFAULT_TOKENIZER, load_config
     from trainer.data import build_dataloader
+    from trainer.model_args import tokenizer_path
     from trainer.data.tokenizer import build_tokenizer
 
-    cfg = load_config(["--config", "llama_debug.toml", "--training.dataset", "synthetic", *overrides])
+    cfg = load_config(["--config", "llama_debug.toml", "--data.type", "synthetic", *overrides])
     t = cfg.training
     torch.manual_seed(t.seed)
     spec = get_model_spec(cfg.model.name)
@@ -64,8 +65,9 @@ def run_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
                             weight_decay=cfg.optimizer.weight_decay, foreach=True)
-    loader = iter(build_dataloader(dataset=t.dataset, dataset_path=t.dataset_path,
-                                   tokenizer=build_tokenizer(cfg.model.tokenizer_path), seq_len=t.seq_len,
+    tok_path = tokenizer_path(cfg, DEFAULT_TOKENIZER)
+    loader = iter(build_dataloader(cfg.data, tokenizer=build_tokenizer(tok_path), tokenizer_path=tok_path,
+                                   seq_len=t.seq_len,
                                    local_batch_size=t.local_batch_size, dp_rank=0, dp_world_size=1, seed=t.seed))
     times = []
     for _ in range(steps):

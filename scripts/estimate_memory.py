@@ -142,7 +142,7 @@ def cp_table(rest: list[str], opts: dict) -> str:
 def validate(quick: bool) -> str:
     from trainer.memory import ValidationCase, format_validation, validate_cases
 
-    common = ["--training.dataset", "synthetic", "--metrics.enable_tensorboard", "false", "--loss.ce_chunk_size", "128"]
+    common = ["--data.type", "synthetic", "--metrics.enable_tensorboard", "false", "--loss.ce_chunk_size", "128"]
     base = ["--config", "llama_debug.toml", *common]
     deepseek = ["--config", "deepseek_debug.toml", *common]
     qwen3 = ["--config", "llama_debug.toml", "--model.name", "tests.qwen3_model", *common]

@@ -100,3 +100,11 @@ def run_worker_cases(run_case, only_env: str, timeout_s: int = 300) -> int:
             run_case(case, out)
     dist.destroy_process_group()
     return 0
+
+
+def tiny_seed_checkpoint(folder: Path) -> list[str]:
+    """Writes a one-rank step-0 checkpoint of the TINY model under `folder`; returns the
+    overrides that start a run from it (so layouts that must agree share their weights)."""
+    run_in_process(TINY + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--job.dump_folder",
+                           str(folder)])
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(Path(folder) / "checkpoint" / "step-0")]

@@ -57,7 +57,11 @@ def test_every_required_key_is_overridable():
     (["--model.flavor", "8b"], "model.flavor: unknown value '8b'"),
     (["--model.name", "lama3"], "did you mean 'llama3'?"),
     (["--config", "llama9b.toml"], "not found"),
-    (["--training.dataset", "files"], "training.dataset_path"),
+    (["--training.dataset", "files"], "training.dataset moved to data.type"),
+    (["--training.dataset_path", "x"], "training.dataset_path moved to data.path"),
+    (["--data.type", "c4"], "data.type: 'c4' is not one of"),
+    (["--data.type", "files"], "data.path: a files source needs a path"),
+    (["--data.document_masking", "--parallelism.context_parallel_degree", "2"], "data.document_masking: not supported"),
     (["--training.seq_len", "99999999"], "training.seq_len"),
     (["positional"], "unexpected argument"),
 ])

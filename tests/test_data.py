@@ -1,7 +1,9 @@
-"""Data pipeline: packing, DP sharding, epochs, exact resume, file loading, builtin corpus, cache."""
+"""Data pipeline: packing, global shuffle, dp sharding, exact resume (also on another dp
+degree and worker count), mixtures, file inputs, builtin corpus, cache."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import multiprocessing as mp
 import os
@@ -14,10 +16,15 @@ import torch
 
 import trainer.data.datasets as datasets_mod
 from trainer.configurable import ConfigError
-from trainer.data import build_dataloader, build_dataset, build_tokenizer
+from trainer.data import DataConfig, build_dataloader, build_tokenizer
 from trainer.data.builtin_corpus import builtin_documents, file_docstrings, stdlib_root, stdlib_source_files
 from trainer.data.cache import cached_tokens
-from trainer.data.datasets import PackedWindowDataset, SyntheticDataset, tokenize_documents
+from trainer.data.config import parse_sources
+from trainer.data.datasets import tokenize_documents
+from trainer.data.sampling import Mixture, Permutation, derive_keys
+from trainer.data.shards import tokenizer_hash
+from trainer.data.stream import DataLoader, MixtureStream
+from trainer.data.windows import ArrayWindows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_TOKENIZER = os.path.join(REPO, "assets", "tokenizer", "tokenizer.model")
@@ -41,11 +48,18 @@ def tok():
     return build_tokenizer(DEBUG_TOKENIZER)
 
 
-def _loader(tok, **kw):
-    args = dict(dataset="files", dataset_path=None, tokenizer=tok, seq_len=16, local_batch_size=2,
-                dp_rank=0, dp_world_size=1, seed=0)
+def _loader(tok, data=None, **kw):
+    args = dict(tokenizer=tok, tokenizer_path=DEBUG_TOKENIZER, seq_len=16, local_batch_size=2, dp_rank=0,
+                dp_world_size=1, seed=0)
     args.update(kw)
-    return build_dataloader(**args)
+    return build_dataloader(data or DataConfig(), **args)
+
+
+def _array_loader(tokens, *, seq=4, bs=2, rank=0, world=1, seed=0, workers=0, sources=None, weights=None):
+    sources = sources or [ArrayWindows(tokens, seq, "arr")]
+    stream = MixtureStream(sources, weights or [1.0] * len(sources), seq_len=seq, local_batch_size=bs,
+                           dp_rank=rank, dp_world_size=world, seed=seed)
+    return DataLoader(stream, num_workers=workers)
 
 
 def _take(it, n):
@@ -56,15 +70,20 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
+def _starts(batches, seq):
+    """Window index of every row (the tokens are np.arange, so row start / seq_len)."""
+    return [int(v) for x, _ in batches for v in x[:, 0] // seq]
+
+
 def _write_corpus(folder, n_docs=60):
-    """A small folder: a .txt, a .jsonl, a nested .jsonl, and files to ignore."""
+    """A small folder: a .txt, a .jsonl, a nested .jsonl.gz, and files to ignore."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "a.txt").write_text(DOCS[0])
     with open(folder / "b.jsonl", "w") as f:
         for i in range(n_docs):
             f.write(json.dumps({"text": f"{DOCS[i % len(DOCS)]} #{i}", "id": i}) + "\n")
     (folder / "sub").mkdir(exist_ok=True)
-    with open(folder / "sub" / "c.jsonl", "w") as f:
+    with gzip.open(folder / "sub" / "c.jsonl.gz", "wt") as f:
         f.write(json.dumps({"text": DOCS[1]}) + "\n\n")
         f.write(json.dumps({"meta": "no text field"}) + "\n")
     (folder / "notes.md").write_text("ignored")
@@ -86,213 +105,238 @@ def test_pack_documents_bos_eos(tok):
 
 def test_windows_and_shifted_labels():
     seq = 8
-    tokens = np.arange(1000, dtype=np.uint16)
-    ds = PackedWindowDataset(tokens, seq_len=seq, local_batch_size=4, dp_rank=0, dp_world_size=1, seed=3)
-    assert ds.num_windows == (1000 - 1) // seq
-    it = iter(ds)
-    for _ in range(ds.batches_per_epoch + 3):
-        x, y = next(it)
+    dl = _array_loader(np.arange(1000, dtype=np.uint16), seq=seq, bs=4, seed=3)
+    for x, y in _take(iter(dl), 40):
         assert x.shape == y.shape == (4, seq) and x.dtype == y.dtype == torch.int64
         assert x.is_contiguous() and y.is_contiguous()
         assert torch.equal(y, x + 1)  # labels are inputs shifted by one
         assert torch.all(x[:, 0] % seq == 0)  # windows start on multiples of seq_len
 
 
-def test_files_loader_packs_documents(tmp_path, tok):
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 4))
-    dl = _loader(tok, dataset_path=str(path), seq_len=32, seed=1)
-    ds = dl.dataset
-    expected = np.array([i for d in DOCS * 4 for i in tok.encode(d, bos=True, eos=True)])
-    assert np.array_equal(np.asarray(ds.tokens), expected)
-    x, y = next(iter(dl))
-    assert x.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
-    for row_x, row_y, w in zip(x, y, ds.windows(0)):  # each row is window w of the packed stream
-        full = torch.cat([row_x, row_y[-1:]])
-        assert torch.equal(full, torch.from_numpy(expected[int(w) * 32:int(w) * 32 + 33]))
+def test_permutation_is_a_bijection_and_keyed():
+    for n in (1, 2, 3, 5, 64, 1000, 4097):
+        y = Permutation(n, derive_keys(0, 1))(np.arange(n))
+        assert sorted(y.tolist()) == list(range(n))
+    a = Permutation(10**9, derive_keys(7, 0, 0))(np.arange(1000))
+    b = Permutation(10**9, derive_keys(7, 0, 1))(np.arange(1000))
+    assert len(set(a.tolist())) == 1000 and a.max() > 9 * 10**8 and not np.array_equal(a, b)
 
 
-# ----------------------------------------------------------------------------- sharding and epochs
+# ----------------------------------------------------------------------------- epochs and sharding
+
+
+def test_epochs_cover_every_window_and_reshuffle():
+    seq, n = 4, 64
+    tokens = np.arange(seq * n + 1, dtype=np.uint16)
+    order = _starts(_take(iter(_array_loader(tokens, seq=seq, bs=4, seed=5)), 3 * n // 4), seq)
+    e0, e1, e2 = order[:n], order[n:2 * n], order[2 * n:]
+    assert sorted(e0) == sorted(e1) == sorted(e2) == list(range(n))  # every window once per epoch
+    assert e0 != e1 and e1 != e2
+    assert _starts(_take(iter(_array_loader(tokens, seq=seq, bs=4, seed=5)), 3 * n // 4), seq) == order
+    assert _starts(_take(iter(_array_loader(tokens, seq=seq, bs=4, seed=6)), n // 4), seq) != e0
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_dp_sharding_disjoint_and_equal(world):
+def test_dp_ranks_split_the_global_stream(world):
+    """dp rank r's batch k holds global samples [k*D*B + r*B, ... + B): the same stream as one rank."""
     seq, bs = 4, 3
-    tokens = np.arange(4 * 100 + 1, dtype=np.uint16)  # 100 windows
-    streams = [PackedWindowDataset(tokens, seq_len=seq, local_batch_size=bs, dp_rank=r, dp_world_size=world,
-                                   seed=7) for r in range(world)]
-    bpe = streams[0].batches_per_epoch
-    assert bpe == 100 // (world * bs) and all(s.batches_per_epoch == bpe for s in streams)
-    for epoch in range(2):
-        seen = []
-        for s in streams:
-            it = iter(s)
-            if epoch:
-                _take(it, bpe)  # skip epoch 0
-            rank_windows = [int(w) for x, _ in _take(it, bpe) for w in (x[:, 0] // seq)]
-            assert len(rank_windows) == bpe * bs
-            seen.append(rank_windows)
-        union = [w for r in seen for w in r]
-        assert len(union) == len(set(union)) == bpe * bs * world
-        assert set(union) <= set(range(100))
-
-
-def test_epochs_reshuffle_deterministically():
-    tokens = np.arange(4 * 64 + 1, dtype=np.uint16)
-    make = lambda seed: PackedWindowDataset(tokens, seq_len=4, local_batch_size=4, dp_rank=0, dp_world_size=1, seed=seed)
-    a = make(5)
-    order = [x[:, 0].tolist() for x, _ in _take(iter(a), 3 * a.batches_per_epoch)]
-    e0, e1, e2 = (sum(order[i * 16:(i + 1) * 16], []) for i in range(3))
-    assert sorted(e0) == sorted(e1) == sorted(e2) == list(range(0, 256, 4))  # 64 windows, none dropped
-    assert e0 != e1 and e1 != e2
-    again = [x[:, 0].tolist() for x, _ in _take(iter(make(5)), 3 * a.batches_per_epoch)]
-    assert again == order
-    other = [x[:, 0].tolist() for x, _ in _take(iter(make(6)), a.batches_per_epoch)]
-    assert other != order[:a.batches_per_epoch]
+    tokens = np.arange(seq * 100 + 1, dtype=np.uint16)
+    reference = _starts(_take(iter(_array_loader(tokens, seq=seq, bs=bs * world, seed=7)), 40), seq)
+    per_rank = [_starts(_take(iter(_array_loader(tokens, seq=seq, bs=bs, rank=r, world=world, seed=7)), 40), seq)
+                for r in range(world)]
+    interleaved = [w for k in range(40) for r in range(world) for w in per_rank[r][k * bs:(k + 1) * bs]]
+    assert interleaved == reference
+    first_epoch = interleaved[:100]
+    assert len(set(first_epoch)) == 100  # no window twice within an epoch, across ranks
 
 
 # ----------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("where", ["start", "middle", "epoch_end"])
-def test_resume_exact(tmp_path, tok, where):
-    data = _write_corpus(tmp_path / "data")
-    kw = dict(dataset_path=str(data), seq_len=32, local_batch_size=8, seed=11)
-    dl = _loader(tok, **kw)
-    bpe = dl.dataset.batches_per_epoch
-    assert 3 < bpe < 20
-    k = {"start": 0, "middle": 3, "epoch_end": bpe - 1}[where]
-    it = iter(dl)
-    _take(it, k)
-    state = pickle.loads(pickle.dumps(dl.state_dict()))
-    expected = _take(it, 20)  # spans into the next epoch
-    fresh = _loader(tok, **kw)
-    fresh.load_state_dict(state)
-    assert _same(_take(iter(fresh), 20), expected)
-    # a loader without the state starts from the beginning instead
-    if k:
-        assert not _same(_take(iter(_loader(tok, **kw)), 20), expected)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_exact(world, workers):
+    tokens = np.arange(4 * 50 + 1, dtype=np.uint16)  # 50 windows: 20 steps cross epochs
+    for rank in range(world):
+        kw = dict(seq=4, bs=2, rank=rank, world=world, seed=11, workers=workers)
+        dl = _array_loader(tokens, **kw)
+        it = iter(dl)
+        _take(it, 7)
+        state = pickle.loads(pickle.dumps(dl.state_dict()))
+        expected = _take(it, 20)
+        fresh = _array_loader(tokens, **kw)
+        fresh.load_state_dict(state)
+        assert _same(_take(iter(fresh), 20), expected)
+        assert not _same(_take(iter(_array_loader(tokens, **kw)), 20), expected)  # without the state: other data
 
 
-def test_resume_state_before_iteration(tmp_path, tok):
-    data = _write_corpus(tmp_path / "data")
-    dl = _loader(tok, dataset_path=str(data))
-    state = dl.state_dict()
-    first = _take(iter(_loader(tok, dataset_path=str(data))), 4)
-    fresh = _loader(tok, dataset_path=str(data))
-    fresh.load_state_dict(state)
-    assert _same(_take(iter(fresh), 4), first)
+def test_resume_dp2_to_dp4_continues_the_global_stream():
+    """Ranks of a larger dp all load dp rank 0's state (trainer/checkpoint.py): exact continuation."""
+    seq, bs = 4, 2
+    tokens = np.arange(seq * 90 + 1, dtype=np.uint16)
+    reference = _starts(_take(iter(_array_loader(tokens, seq=seq, bs=1, seed=3)), 200), seq)  # the global stream
+    old = [_array_loader(tokens, seq=seq, bs=bs, rank=r, world=2, seed=3) for r in range(2)]
+    consumed = [_take(iter(dl), 5) for dl in old]
+    assert [w for k in range(5) for r in range(2) for w in _starts(consumed[r][k:k + 1], seq)] == reference[:20]
+    state = pickle.loads(pickle.dumps(old[0].state_dict()))
+    new = [_array_loader(tokens, seq=seq, bs=bs, rank=r, world=4, seed=3, workers=2 if r == 1 else 0)
+           for r in range(4)]
+    for dl in new:
+        dl.load_state_dict(state)
+    resumed = [_starts(_take(iter(dl), 6), seq) for dl in new]
+    assert [w for k in range(6) for r in range(4) for w in resumed[r][k * bs:(k + 1) * bs]] == reference[20:68]
 
 
-def test_workers_same_stream_and_resume(tmp_path, tok):
-    data = _write_corpus(tmp_path / "data")
-    kw = dict(dataset_path=str(data), seq_len=32, local_batch_size=8, seed=2)
-    reference = _take(iter(_loader(tok, **kw)), 20)
-    dl = _loader(tok, num_workers=2, **kw)
-    it = iter(dl)
-    head = _take(it, 13)
-    assert all(isinstance(b, tuple) for b in head)
-    assert _same(head, reference[:13])  # worker count does not change the stream
-    state = dl.state_dict()
-    tail = _take(it, 7)
-    assert _same(tail, reference[13:])
-    fresh = _loader(tok, num_workers=2, **kw)
-    fresh.load_state_dict(state)
-    assert _same(_take(iter(fresh), 7), tail)
-
-
-def test_resume_with_other_world_size_is_approximate(caplog):
+def test_changed_sources_resume_approximately(caplog):
     tokens = np.arange(4 * 120 + 1, dtype=np.uint16)
-    old = PackedWindowDataset(tokens, seq_len=4, local_batch_size=2, dp_rank=0, dp_world_size=2, seed=0)
-    state = {**old.state_dict(), "next_batch": old.batches_per_epoch + old.batches_per_epoch // 2}
-    new = PackedWindowDataset(tokens, seq_len=4, local_batch_size=2, dp_rank=0, dp_world_size=3, seed=0)
-    new.load_state_dict(state)
-    assert new.state_dict()["next_batch"] == new.batches_per_epoch + new.batches_per_epoch // 2
-    assert "resuming approximately" in caplog.text
+    old = _array_loader(tokens)
+    _take(iter(old), 3)
+    new = _array_loader(tokens[:300])
+    new.load_state_dict(old.state_dict())
+    assert new.position["sample"] == 6 and "resuming approximately" in caplog.text
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def test_mixture_weights_within_2_percent_and_metrics(tok):
+    weights = [0.6, 0.3, 0.1]
+    for seed in (0, 1):
+        counts = np.bincount(Mixture(weights, seed).sources(12345, 10_000), minlength=3) / 10_000
+        assert np.all(np.abs(counts - weights) <= 0.02 * np.array(weights)), counts
+    arrays = [np.arange(k * 1000, k * 1000 + 4 * 40 + 1, dtype=np.int64) for k in range(3)]
+    sources = [ArrayWindows(a, 4, f"s{k}") for k, a in enumerate(arrays)]
+    dl = _array_loader(None, seq=4, bs=10, sources=sources, weights=weights)
+    batches = _take(iter(dl), 1000)  # 10k windows
+    drawn = np.bincount([int(v) // 1000 for x, _ in batches for v in x[:, 0]], minlength=3) / 10_000
+    assert np.all(np.abs(drawn - weights) <= 0.02 * np.array(weights)), drawn
+    m = dl.metrics()
+    assert [m[f"data/tokens/s{k}"] for k in range(3)] == [float(c * 10_000 * 4) for c in drawn]
+    # resume keeps the per-source positions: the continuation equals the uninterrupted run
+    dl2 = _array_loader(None, seq=4, bs=10, sources=sources, weights=weights)
+    it = iter(dl2)
+    _take(it, 500)
+    fresh = _array_loader(None, seq=4, bs=10, sources=sources, weights=weights, workers=2)
+    fresh.load_state_dict(dl2.state_dict())
+    assert _same(_take(iter(fresh), 500), batches[500:])
+
+
+def test_source_config_errors(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": "hi"}\n')
+    bad = [
+        ([{"type": "c4", "path": "x"}], "data.sources[0].type: unknown source type 'c4'"),
+        ([{"type": "tokens"}], "data.sources[0].path: a tokens source needs a path"),
+        ([{"path": str(tmp_path), "weight": 0}], "data.sources[0].weight: expected a positive number"),
+        ([{"path": str(tmp_path), "wieght": 2}], "unknown key(s) ['wieght']"),
+        ([str(tmp_path), str(tmp_path)], "more than once"),
+        ([3], "expected a table"),
+    ]
+    for items, fragment in bad:
+        with pytest.raises(ConfigError) as e:
+            parse_sources(items, "data.sources")
+        assert fragment in str(e.value) and "\n" not in str(e.value)
+    specs = parse_sources([{"path": str(tmp_path / "x.jsonl"), "weight": 2}, {"type": "builtin"}], "data.sources")
+    assert [(s.type, s.name, s.weight) for s in specs] == [("files", "x.jsonl", 2.0), ("builtin", "builtin", 1.0)]
 
 
 # ----------------------------------------------------------------------------- synthetic
 
 
 def test_synthetic_deterministic_and_resumable(tok):
-    kw = dict(dataset="synthetic", dataset_path=None, tokenizer=tok, seq_len=8, local_batch_size=2, seed=4)
-    r0 = _take(iter(build_dataloader(dp_rank=0, dp_world_size=2, **kw)), 6)
-    r0b = _take(iter(build_dataloader(dp_rank=0, dp_world_size=2, **kw)), 6)
-    r1 = _take(iter(build_dataloader(dp_rank=1, dp_world_size=2, **kw)), 6)
+    data = DataConfig(type="synthetic")
+    kw = dict(seq_len=8, local_batch_size=2, seed=4)
+    r0 = _take(iter(_loader(tok, data, dp_rank=0, dp_world_size=2, **kw)), 6)
+    r0b = _take(iter(_loader(tok, data, dp_rank=0, dp_world_size=2, **kw)), 6)
+    r1 = _take(iter(_loader(tok, data, dp_rank=1, dp_world_size=2, **kw)), 6)
     assert _same(r0, r0b) and not torch.equal(r0[0][0], r1[0][0])
-    assert all(isinstance(b, tuple) and len(b) == 2 for b in r0)
     for x, y in r0:
         assert x.shape == (2, 8) and x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
         assert int(x.min()) >= 0 and int(x.max()) < tok.vocab_size
-    ds = SyntheticDataset(vocab_size=tok.vocab_size, seq_len=8, local_batch_size=2, dp_rank=0, seed=4)
-    assert torch.equal(ds.make_batch(5)[0], r0[5][0])  # batch = f(seed, rank, index)
-    dl = build_dataloader(dp_rank=0, dp_world_size=2, **kw)
+    dl = _loader(tok, data, dp_rank=0, dp_world_size=2, **kw)
     it = iter(dl)
     _take(it, 2)
-    state = dl.state_dict()
-    fresh = build_dataloader(dp_rank=0, dp_world_size=2, **kw)
-    fresh.load_state_dict(state)
+    fresh = _loader(tok, data, dp_rank=0, dp_world_size=2, **kw)
+    fresh.load_state_dict(dl.state_dict())
     assert _same(_take(iter(fresh), 4), r0[2:])
 
 
 # ----------------------------------------------------------------------------- files
 
 
-def test_txt_jsonl_folder(tmp_path, tok):
+def _files_tokens(tok, path, **kw):
+    dl = _loader(tok, DataConfig(type="files", path=str(path), **kw), seq_len=4, local_batch_size=1)
+    return np.asarray(dl.dataset.sources[0].tokens).tolist()
+
+
+def _expected(tok, docs):
+    return [i for d in docs for i in tok.encode(d, bos=True, eos=True)]
+
+
+def test_files_source_reads_every_format(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
     data = _write_corpus(tmp_path / "data", n_docs=3)
-    ds = build_dataset(dataset="files", dataset_path=str(data), tokenizer=tok, seq_len=8, local_batch_size=1,
-                       dp_rank=0, dp_world_size=1, seed=0)
-    # a.txt, then b.jsonl, then sub/c.jsonl; .md, hidden files and text-less lines are skipped
-    docs = [DOCS[0]] + [f"{DOCS[i]} #{i}" for i in range(3)] + [DOCS[1]]
-    assert tok.decode(np.asarray(ds.tokens).tolist()) == "".join(
-        f"<|begin_of_text|>{d}<|end_of_text|>" for d in docs)
-    # a single .txt file is one document
-    ds_txt = build_dataset(dataset="files", dataset_path=str(data / "a.txt"), tokenizer=tok, seq_len=4,
-                           local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0)
-    assert np.asarray(ds_txt.tokens).tolist() == tok.encode(DOCS[0], bos=True, eos=True)
+    # a.txt, then b.jsonl, then sub/c.jsonl.gz; .md, hidden files and text-less records are skipped
+    assert _files_tokens(tok, data) == _expected(tok, [DOCS[0]] + [f"{DOCS[i]} #{i}" for i in range(3)] + [DOCS[1]])
+    assert _files_tokens(tok, data / "a.txt") == _expected(tok, DOCS[:1])  # a .txt file is one document
+    with open(tmp_path / "z.jsonl.zst", "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress("".join(json.dumps({"body": d}) + "\n" for d in DOCS).encode()))
+    assert _files_tokens(tok, tmp_path / "z.jsonl.zst", text_field="body") == _expected(tok, DOCS)
+    table = pa.table({"content": DOCS, "n": list(range(len(DOCS)))})
+    pq.write_table(table, tmp_path / "p.parquet", row_group_size=2)
+    assert _files_tokens(tok, tmp_path / "p.parquet", text_field="content") == _expected(tok, DOCS)
+    # a datasets.save_to_disk DatasetDict folder: arrow IPC streams listed in state.json
+    split = tmp_path / "hf" / "train"
+    split.mkdir(parents=True)
+    for k, part in enumerate((DOCS[:2], DOCS[2:])):
+        with pa.OSFile(str(split / f"data-0000{k}-of-00002.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(pa.table({"content": part, "n": list(range(len(part)))}))
+    (split / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-0000{k}-of-00002.arrow"}
+                                                                  for k in range(2)]}))
+    (tmp_path / "hf" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert _files_tokens(tok, tmp_path / "hf", text_field="content") == _expected(tok, DOCS)
 
 
-def _err(tok, path, **kw):
+def _err(tok, path, seq_len=8, **kw):
     with pytest.raises(ConfigError) as e:
-        build_dataset(dataset="files", dataset_path=path, tokenizer=tok, seq_len=kw.get("seq_len", 8),
-                      local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0)
+        _loader(tok, DataConfig(type="files", path=path, **kw), seq_len=seq_len, local_batch_size=1)
     msg = str(e.value)
     assert "\n" not in msg
     return msg
 
 
 def test_file_errors(tmp_path, tok):
-    assert "training.dataset_path" in _err(tok, None)
     msg = _err(tok, str(tmp_path / "missing"))
-    assert "training.dataset_path" in msg and "does not exist" in msg and "--training.dataset_path" in msg
+    assert "data source" in msg and "does not exist" in msg
     (tmp_path / "empty").mkdir()
-    assert "no .txt or .jsonl files" in _err(tok, str(tmp_path / "empty"))
+    assert "no supported files" in _err(tok, str(tmp_path / "empty"))
     (tmp_path / "x.csv").write_text("a,b")
-    assert "not a .txt or .jsonl file" in _err(tok, str(tmp_path / "x.csv"))
+    assert "not a supported file" in _err(tok, str(tmp_path / "x.csv"))
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n{"text": ""}\n')
     assert "no usable text" in _err(tok, str(tmp_path / "notext.jsonl"))
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
     msg = _err(tok, str(tmp_path / "bad.jsonl"))
     assert "bad.jsonl:2" in msg and "not valid JSON" in msg
     (tmp_path / "tiny.txt").write_text("tiny")
-    msg = _err(tok, str(tmp_path / "tiny.txt"), seq_len=64)
-    assert "training.seq_len" in msg
-    with pytest.raises(ConfigError, match="training.dataset"):
-        build_dataset(dataset="c4", dataset_path=None, tokenizer=tok, seq_len=8, local_batch_size=1,
-                      dp_rank=0, dp_world_size=1, seed=0)
+    assert "training.seq_len" in _err(tok, str(tmp_path / "tiny.txt"), seq_len=64)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    assert "no column 'text'" in _err(tok, str(tmp_path / "p.parquet"))
 
 
 def test_files_cache_invalidated_on_change(tmp_path, tok):
     path = tmp_path / "d.txt"
     path.write_text("first version of the text " * 10)
-    a = build_dataset(dataset="files", dataset_path=str(path), tokenizer=tok, seq_len=4, local_batch_size=1,
-                      dp_rank=0, dp_world_size=1, seed=0)
+    a = _files_tokens(tok, path)
     path.write_text("second, different text " * 12)
     os.utime(path, ns=(1, 1))
-    b = build_dataset(dataset="files", dataset_path=str(path), tokenizer=tok, seq_len=4, local_batch_size=1,
-                      dp_rank=0, dp_world_size=1, seed=0)
-    assert tok.decode(np.asarray(b.tokens).tolist()).startswith("<|begin_of_text|>second")
-    assert not np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    b = _files_tokens(tok, path)
+    assert tok.decode(b).startswith("<|begin_of_text|>second") and a != b
 
 
 # ----------------------------------------------------------------------------- builtin corpus
@@ -340,19 +384,18 @@ def _small_builtin(monkeypatch):
 
 def test_builtin_cached(tmp_path, tok, monkeypatch):
     calls = _small_builtin(monkeypatch)
-    kw = dict(dataset="builtin", dataset_path=None, tokenizer=tok, seq_len=32, local_batch_size=2,
-              dp_rank=1, dp_world_size=2, seed=0)
-    a = build_dataloader(**kw)
-    b = build_dataloader(**kw)
+    kw = dict(seq_len=32, local_batch_size=2, dp_rank=1, dp_world_size=2)
+    a = _loader(tok, DataConfig(type="builtin"), **kw)
+    b = _loader(tok, DataConfig(type="builtin"), **kw)
     assert len(calls) == 1  # second build read the cache
     cache = tmp_path / "cache"
     names = os.listdir(cache)
     npy = [n for n in names if n.endswith(".npy")]
     assert len(npy) == 1 and npy[0].startswith("builtin-py%d.%d." % sys.version_info[:2])
-    assert tok.file_hash[:16] in npy[0]
+    assert tokenizer_hash(DEBUG_TOKENIZER)[:16] in npy[0]
     assert not [n for n in names if n.endswith(".tmp")]
     arr = np.load(cache / npy[0])
-    assert arr.dtype == np.uint16 and len(arr) == a.dataset.num_tokens > 1000
+    assert arr.dtype == np.uint16 and len(arr) == len(a.dataset.sources[0].tokens) > 1000
     assert arr[0] == tok.bos_id and arr[-1] == tok.eos_id
     assert _same(_take(iter(a), 3), _take(iter(b), 3))
 

@@ -63,11 +63,12 @@ def run_train(nproc: int, args: list[str], timeout: int = 280):
 
 def _first_global_batch(folder: Path) -> torch.Tensor:
     """The 4 windows [4, S+1] every layout below trains on first (seed 42, builtin corpus)."""
-    from trainer.data import build_dataloader
+    from trainer.data import DataConfig, build_dataloader
     from trainer.data.tokenizer import build_tokenizer
 
-    loader = build_dataloader(dataset="builtin", dataset_path=None, tokenizer=build_tokenizer(str(folder)),
-                              seq_len=SEQ, local_batch_size=GLOBAL_BATCH, dp_rank=0, dp_world_size=1, seed=42)
+    loader = build_dataloader(DataConfig(type="builtin"), tokenizer=build_tokenizer(str(folder)),
+                              tokenizer_path=str(folder), seq_len=SEQ, local_batch_size=GLOBAL_BATCH, dp_rank=0,
+                              dp_world_size=1, seed=42)
     inputs, labels = next(iter(loader))
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     return torch.cat([inputs, labels[:, -1:]], dim=1)

@@ -16,7 +16,7 @@ import torch
 from tests.helpers import REPO, losses_by_step, run_killing_group, torchrun
 
 BASE = ["--training.seq_len", "64", "--training.steps", "1", "--metrics.enable_tensorboard", "false",
-        "--training.dataset", "synthetic", "--metrics.log_freq", "1"]
+        "--data.type", "synthetic", "--metrics.log_freq", "1"]
 LLAMA = ["--model.flavor", "debug_small", "--training.local_batch_size", "2", *BASE]
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debug", "--training.local_batch_size", "2", *BASE]
 

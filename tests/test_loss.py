@@ -144,7 +144,7 @@ def test_chunked_ce_refuses_tp_and_pp_in_one_line():
 
 def test_trainer_chunked_ce_matches_plain(tmp_path):
     # 2 x 64 = 128 tokens per microbatch, chunks of 48 (not a divisor); 2 microbatches.
-    common = TINY + ["--training.steps", "4", "--training.dataset", "synthetic", "--training.global_batch_size", "4"]
+    common = TINY + ["--training.steps", "4", "--data.type", "synthetic", "--training.global_batch_size", "4"]
     plain, _ = run_in_process(common + ["--job.dump_folder", str(tmp_path / "plain")])
     chunked, trainer = run_in_process(common + ["--job.dump_folder", str(tmp_path / "chunked"), "--loss.chunked_ce",
                                                 "true", "--loss.ce_chunk_size", "48"])

@@ -19,7 +19,7 @@ from trainer.memory import (
     validate_cases,
 )
 
-DEBUG = ["--config", "llama_debug.toml", "--training.dataset", "synthetic", "--metrics.enable_tensorboard", "false",
+DEBUG = ["--config", "llama_debug.toml", "--data.type", "synthetic", "--metrics.enable_tensorboard", "false",
          "--loss.ce_chunk_size", "128"]
 
 

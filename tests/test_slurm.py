@@ -38,7 +38,7 @@ LOCAL_BATCH = 2
 NNODES = 2
 # Small and fast on 2 shared cores (~0.5 s/step), checkpoints on, one loss line per step.
 TRAIN_ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "32", "--training.local_batch_size",
-              str(LOCAL_BATCH), "--training.dataset", "builtin", "--metrics.log_freq", "1",
+              str(LOCAL_BATCH), "--data.type", "builtin", "--metrics.log_freq", "1",
               "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true",
               "--checkpoint.interval", "1000", "--checkpoint.keep_latest_k", "0"]
 CONFIG = "train_configs/llama_debug.toml"

@@ -21,11 +21,13 @@ from parallelisms.compile import CompileConfig
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
+from trainer.data.config import DataConfig
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
 from trainer.model_args import MoEConfig, check_hf_export, resolve_model
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
 from trainer.profiling import ProfilingConfig
+from trainer.validation import ValidationConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
@@ -73,10 +75,6 @@ class TrainingSection:
     seed: int = opt(42, "Seed for init and data order.", min=0)
     deterministic: bool = opt(False, "torch.use_deterministic_algorithms and deterministic cuDNN/cuBLAS.")
     gc_freq: int = opt(50, "Run Python's garbage collector every N steps (automatic GC is disabled).", min=1)
-    dataset: str = opt("builtin", "builtin (text from the Python stdlib's docstrings), synthetic (random "
-                       "tokens), or files (.txt/.jsonl under dataset_path).",
-                       choices=("builtin", "synthetic", "files"))
-    dataset_path: str | None = opt(None, "File or folder of .txt / .jsonl (with a \"text\" field) for dataset=files.")
     mixed_precision_param: str = opt("bfloat16", "Compute dtype of params under FSDP; falls back to float32 on CPU "
                                      "unless mixed_precision_on_cpu.", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype under FSDP.", choices=("float32", "bfloat16"))
@@ -97,6 +95,8 @@ class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -129,9 +129,6 @@ class JobConfig:
         if max_seq is not None and self.training.seq_len > max_seq:
             raise ConfigError(f"config error: training.seq_len: {self.training.seq_len} exceeds the model's "
                               f"max_seq_len {max_seq}; lower training.seq_len")
-        if self.training.dataset == "files" and not self.training.dataset_path:
-            raise ConfigError("config error: training.dataset_path: dataset=files needs a path; "
-                              "pass --training.dataset_path <file or folder>")
         for name in SECTIONS:
             section = getattr(self, name)
             if hasattr(section, "validate"):
@@ -165,6 +162,16 @@ def resolve_config_path(name: str) -> Path:
                       f"available: {', '.join(available)}")
 
 
+# Keys that moved to another section: a one-line error that names the new key.
+MOVED_KEYS = {"training.dataset": "data.type", "training.dataset_path": "data.path"}
+
+
+def _check_moved(section: str, key: str) -> None:
+    new = MOVED_KEYS.get(f"{section}.{key}")
+    if new:
+        raise ConfigError(f"config error: {section}.{key} moved to {new}; use {new} (see README, Data)")
+
+
 def _apply_table(cfg: JobConfig, table: dict[str, Any], source: str) -> None:
     for section, values in table.items():
         if section not in SECTIONS:
@@ -174,6 +181,7 @@ def _apply_table(cfg: JobConfig, table: dict[str, Any], source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"config error: [{section}] in {source} must be a table of key = value")
         for key, value in values.items():
+            _check_moved(section, key)
             set_field(getattr(cfg, section), section, key, value, from_cli=False)
 
 
@@ -234,6 +242,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     for section, key, value in overrides:
         if (section, key) == ("job", "config_file"):
             continue
+        _check_moved(section, key)
         set_field(getattr(cfg, section), section, key, value, from_cli=True)
     cfg.validate(world_size)
     return cfg

@@ -16,6 +16,7 @@ class MetricsConfig:
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
 
 
+import contextlib
 import json
 import logging
 import resource
@@ -78,6 +79,15 @@ class MetricsLogger:
     def reset_timer(self) -> None:
         self._t0 = time.perf_counter()
         self._tokens = self._steps = 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (a validation pass) does not count toward tokens/s or step time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._t0 += time.perf_counter() - start
 
     def add_tokens(self, tokens: int) -> None:
         """Counts one step's tokens on this rank (called every step; logging happens every log_freq)."""

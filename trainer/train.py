@@ -34,6 +34,7 @@ from trainer.model_args import check_tokenizer_fits, describe_args, model_label,
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
+from trainer.validation import build_validator, training_holdout
 
 logger = logging.getLogger("trainer")
 
@@ -101,13 +102,19 @@ class Trainer:
 
         # ---- data ----
         from trainer.data import build_dataloader
+        from trainer.data.masking import ModelInputs
         from trainer.data.tokenizer import build_tokenizer
 
-        self.tokenizer = build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER))
+        self.tokenizer_path = tokenizer_path(cfg, DEFAULT_TOKENIZER)
+        self.tokenizer = build_tokenizer(self.tokenizer_path)
         check_tokenizer_fits(self.tokenizer, self.model_args, model_label(cfg))
+        self.model_inputs = ModelInputs(cfg.data.document_masking, self.tokenizer)
         self.dataloader = build_dataloader(
-            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed)
+            cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
+            holdout=training_holdout(cfg.validation))
+        self.validator = build_validator(cfg, self.tokenizer, self.tokenizer_path, self.dp_rank, self.dp_degree,
+                                         self.dims.mesh("dp_cp"))
 
         # ---- model: the one assembly path (parallelisms/apply.py) ----
         self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
@@ -189,9 +196,10 @@ class Trainer:
             stack.enter_context(autocast_context(self.precision, self.device.type))
             yield
 
-    def forward_kwargs(self, labels: torch.Tensor) -> dict:
-        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels."""
-        return {"mtp_labels": labels} if self.mtp_depth else {}
+    def forward_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Extra model-forward arguments: multi-token prediction embeds tokens from the labels;
+        document masking passes each document's positions and ids (trainer/data/masking.py)."""
+        return {**({"mtp_labels": labels} if self.mtp_depth else {}), **self.model_inputs(inputs)}
 
     def forward_backward(self, batches) -> torch.Tensor:
         """Runs every microbatch's forward and backward (or the pipeline schedule); returns
@@ -203,13 +211,14 @@ class Trainer:
                 losses: list[torch.Tensor] = []
                 targets = labels if self.has_last_stage else None
                 stage_inputs = (inputs,) if self.has_first_stage else ()
-                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses, **self.forward_kwargs(labels))
+                self.pp_schedule.step(*stage_inputs, target=targets, losses=losses,
+                                      **self.forward_kwargs(inputs, labels))
                 for loss in losses:
                     loss_sum += loss.token_terms
             else:
                 model = self.model_parts[0]
                 with chunked_ce_labels(model, labels):  # no reference to the logits outlives the loss
-                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(labels)), labels)
+                    loss = self.loss_fn(model(inputs, **self.forward_kwargs(inputs, labels)), labels)
                 loss.backward()
                 loss_sum += loss.token_terms
         return loss_sum
@@ -259,13 +268,16 @@ class Trainer:
                 if self.step % t.gc_freq == 0:
                     gc.collect(1)
                 last = self.step == t.steps
-                log_now = self.metrics.should_log(self.step, last)
+                val_due = self.validator is not None and self.validator.should_run(self.step, last)
+                log_now = self.metrics.should_log(self.step, last) or val_due
                 result = self.train_step(self.next_microbatches(), with_metrics=log_now)
                 losses.append(result.loss)
                 self.metrics.add_tokens(tokens_per_step)
                 if log_now:
+                    extra = {**result.extra_metrics, **self.dataloader.metrics(),
+                             **(self.validator.evaluate(self) if val_due else {})}
                     self.metrics.record(self.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr,
-                                        extra=result.extra_metrics)
+                                        extra=extra)
                 if self.checkpointer.should_save(self.step, last):
                     self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:

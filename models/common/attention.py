@@ -9,6 +9,15 @@ projections, while the model code stays free of collectives and masks.
 Layout: q [B, Hq, S, Dqk], k [B, Hkv, S, Dqk], v [B, Hkv, S, Dv] -> [B, Hq, S, Dv],
 causal. Hkv may divide Hq (GQA): SDPA's `enable_gqa` broadcasts the KV heads
 instead of materialising `repeat_interleave` copies of k and v.
+
+Document masking: `DocumentMask(document_ids)` ([B, S] ids, equal within one packed
+document) makes attention block-causal, so no token attends across a document
+boundary. The model builds it once per forward from a tensor it is given (so pipeline
+schedules split it per microbatch like any input) and hands the same object to every
+layer's `sdpa(..., mask=...)`. On CUDA the mask is a flex-attention BlockMask (only
+the blocks that hold allowed pairs are computed); elsewhere, and where flex attention
+is unavailable, a dense [B, 1, S, S] boolean mask for SDPA (flex attention's backward
+does not run on CPU in torch 2.13).
 """
 
 from __future__ import annotations
@@ -32,10 +41,66 @@ class SDPA(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: "DocumentMask | None" = None) -> torch.Tensor:
         pad = q.shape[-1] - v.shape[-1]
         if pad > 0:
             v = F.pad(v, (0, pad))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        elif mask.block is not None:
+            out = _compiled_flex()(q, k, v, block_mask=mask.block, scale=self.scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=self.scale, enable_gqa=gqa)
         return out[..., : out.shape[-1] - pad] if pad > 0 else out
+
+
+class DocumentMask:
+    """Block-causal attention over packed documents: query i sees key j iff j <= i and both
+    lie in the same document. Built once per forward, before the blocks run (so compiled
+    blocks and activation-checkpoint recomputes only read it), in the form the device runs:
+    a flex-attention BlockMask on CUDA, a dense [B, 1, S, S] boolean SDPA mask elsewhere."""
+
+    def __init__(self, document_ids: torch.Tensor, backend: str = "auto"):
+        if backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"backend must be auto, flex or sdpa, got {backend!r}")
+        self.document_ids = document_ids  # [B, S]
+        flex = backend == "flex" or (backend == "auto" and document_ids.is_cuda and _flex_available())
+        self.block = _block_causal_block_mask(document_ids) if flex else None
+        self.dense = None if flex else _block_causal_dense(document_ids)
+
+
+def _block_causal_dense(doc: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool, True where attention is allowed."""
+    seq = doc.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+
+
+def _block_causal_block_mask(doc: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return create_block_mask(block_causal, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
+
+
+def _flex_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    """flex_attention compiled once: its eager form materialises the scores and is for debugging only."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX

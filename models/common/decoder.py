@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.common.attention import DocumentMask
 from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
 
@@ -65,19 +66,22 @@ class DecoderLM(nn.Module):
             final_std = self.args.dim**-0.5
             trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] int ids, or [batch, seq, dim] hidden states on a pipeline
         stage without the embedding. `positions` ([seq] or [batch, seq] token positions)
         places RoPE where the tokens are not 0..seq-1: a context-parallel shard, or
-        packed documents that restart at 0. Returns logits, or hidden states on a stage
-        without the output head."""
+        packed documents that restart at 0. `document_ids` ([batch, seq], equal within a
+        packed document) makes attention block-causal (models.common.attention.DocumentMask).
+        Returns logits, or hidden states on a stage without the output head."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
         # Once, in the residual stream's dtype (bf16 when the weights run in bf16): blocks
         # given the fp32 table would each cast it, a copy per block that each block then
         # keeps for backward. The values are the same.
         rope = rope.to(h.dtype)
+        mask = None if document_ids is None else DocumentMask(document_ids)
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope) if mask is None else block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

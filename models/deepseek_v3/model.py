@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from models.common.attention import SDPA
+from models.common.attention import DocumentMask, SDPA
 from models.common.decoder import DecoderLM, FeedForward
 from models.common.init import trunc_normal_
 from models.common.moe import MoE, MoEArgs
@@ -96,7 +96,7 @@ class MLA(nn.Module):
         self.kv_latent = nn.Identity()
         self.sdpa = SDPA(scale=self.softmax_scale)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 head counts: under TP these projections hold only the local heads.
@@ -113,7 +113,9 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, v_head_dim]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Plans may swap `sdpa` for one without masks (CP): pass a mask only when there is one.
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -150,8 +152,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, **mask: DocumentMask) -> torch.Tensor:
+        # `mask` (data.document_masking) reaches the attention only when given, so attentions
+        # that take none (a plan's or another model's) keep working.
+        h = x + self.attention(self.attention_norm(x), rope, **mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -176,7 +180,7 @@ class DeepSeekV3(DecoderLM):
             layer.init_weights()
 
     def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, positions: torch.Tensor | None = None,
-                mtp_labels: torch.Tensor | None = None):
+                mtp_labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """As DecoderLM.forward; with MTP and `mtp_labels` (training), the logits of the main
         head and of every MTP depth, concatenated on the batch dim: [(1 + D) * B, S, V].
 
@@ -184,7 +188,7 @@ class DeepSeekV3(DecoderLM):
         the last returns (hidden, *MTP embeddings), and takes them as `tokens, *carried`."""
         depth = self.args.mtp_depth
         if depth == 0 or mtp_labels is None:
-            return super().forward(tokens, positions)
+            return super().forward(tokens, positions, document_ids)
         if self.tok_embeddings is not None:
             # One embedding call for the inputs and the MTP tokens: [(1 + D) * B, S, dim].
             embedded = self.tok_embeddings(torch.cat([tokens, mtp_embedding_ids(mtp_labels, depth)], dim=0))
@@ -192,13 +196,14 @@ class DeepSeekV3(DecoderLM):
         else:
             h = tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
+        mask = {} if document_ids is None else {"mask": DocumentMask(document_ids)}
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, **mask)
         if self.output is None:
             return (h, *(pipeline_tensor(c) for c in carried))
         hidden = [self.norm(h)]
         for layer, emb in zip(self.mtp.values(), carried):
-            hidden.append(layer(hidden[-1], emb, rope))
+            hidden.append(layer(hidden[-1], emb, rope, **mask))
         return self.output(torch.cat(hidden, dim=0))
 
     def _rope_cache(self) -> torch.Tensor:

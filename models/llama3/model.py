@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn as nn
 
-from models.common.attention import SDPA
+from models.common.attention import DocumentMask, SDPA
 from models.common.decoder import DecoderLM, FeedForward
 from models.common.init import trunc_normal_
 from models.common.norms import RMSNorm
@@ -29,14 +29,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = SDPA()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 head counts: under TP these projections hold only the local heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, Dh]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Plans may swap `sdpa` for one without masks (CP): pass a mask only when there is one.
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -55,8 +57,10 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init keeps the residual stream's variance flat in deep models.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, **mask: DocumentMask) -> torch.Tensor:
+        # `mask` (data.document_masking) reaches the attention only when given, so attentions
+        # that take none (a plan's or another model's) keep working.
+        h = x + self.attention(self.attention_norm(x), rope, **mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
