@@ -52,12 +52,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from trainer.memory import _hwm_bytes, _malloc_trim, _reset_hwm, _rss_bytes  # noqa: E402
-from parallelisms.activation_checkpoint import (  # noqa: E402
-    SavedActivationCounter,
-    apply_activation_checkpointing,
-    flop_counter,
-    saved_activation_bytes,
-)
+from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes  # noqa: E402
+from parallelisms.activation_checkpoint import apply_activation_checkpointing, unwrap_block  # noqa: E402
 
 EAGER_MODES = ("none", "full", "selective", "op")
 
@@ -148,8 +144,7 @@ def run_mode(mode: str, opts, cfg) -> dict:
     model = _build(spec, args, device, dtype)
     head_only = _build(spec, dataclasses.replace(args, n_layers=0), device, dtype)
     n_layers = len(model.layers)
-    apply_activation_checkpointing(model, ac_cfg, extra_save_ops=spec.sac_save_ops,
-                                   force_recompute_fqns=spec.sac_force_recompute_fqns, compile_enabled=compiled)
+    apply_activation_checkpointing(model, ac_cfg, spec=spec, compile_enabled=compiled)
 
     def forward_counted(m):
         exclude = list(m.parameters()) + list(m.buffers())
@@ -176,13 +171,11 @@ def run_mode(mode: str, opts, cfg) -> dict:
     per_block = (total - head) / max(n_layers, 1)
     check = None
     if opts.check_bytes and not compiled:  # cross-check with the per-block counter
-        from parallelisms.activation_checkpoint import unwrap_block
         ref = 0
         for key, block in model.layers.items():
             x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
             ref += saved_activation_bytes(unwrap_block(block), x, model.rope_cache[:seq], mode=mode, cfg=ac_cfg,
-                                          extra_save_ops=spec.sac_save_ops,
-                                          force_recompute_fqns=spec.sac_force_recompute_fqns, layer_id=int(key))
+                                          spec=spec, layer_id=int(key))
         check = ref / max(n_layers, 1)
 
     # 3) Speed and peak memory: weights and grads are already allocated.

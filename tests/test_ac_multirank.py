@@ -77,9 +77,7 @@ def _worker(rank: int, port: int, out_path: str):
         results = {}
         for name, mode in CASES:
             model, spec = _build(name)
-            apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode),
-                                           extra_save_ops=spec.sac_save_ops,
-                                           force_recompute_fqns=spec.sac_force_recompute_fqns)
+            apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode), spec=spec)
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3
-from parallelisms import activation_checkpoint as ac
+from parallelisms import ac_ops, ac_sac, ac_trace
 from parallelisms.activation_checkpoint import (
     MATMUL_OPS,
     ActivationCheckpointConfig,
@@ -106,7 +106,7 @@ def test_apply_rejects_bad_configs_built_in_code():
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="sometimes"))
     with pytest.raises(ValueError, match="minimum 1"):
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="selective", selective_layer_interval=0))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="above the maximum 1.0"):
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="memory_budget", memory_budget=2.0),
                                        compile_enabled=True)
     with pytest.raises(TypeError, match="model.layers"):
@@ -221,7 +221,7 @@ def test_spec_listed_matmul_is_saved_not_alternated():
 
 
 def _lookup(ns, name):
-    return ac._lookup(ns, name)
+    return ac_ops.lookup(ns, name)
 
 
 def test_save_set_contents():
@@ -233,12 +233,12 @@ def test_save_set_contents():
         must.append(_lookup("_c10d_functional", name))
     for op in must:
         assert op is not None and op in save, op
-    hop = ac._compiled_region_hop()
+    hop = ac_ops.compiled_region_hop()
     assert hop is not None and hop in save
     assert not (MATMUL_OPS & save)
     # Seeded from the partitioner: everything it lists (bar the alternating matmuls) is saved.
     from torch._functorch.partitioners import get_default_op_list
-    assert {ac._key(o) for o in get_default_op_list().compute_intensive_ops} - MATMUL_OPS <= save
+    assert {ac_ops.op_key(o) for o in get_default_op_list().compute_intensive_ops} - MATMUL_OPS <= save
     # A model spec can add ops.
     assert aten.sort in default_save_ops({aten.sort.stable})
 
@@ -250,8 +250,8 @@ def test_save_set_falls_back_when_partitioner_api_is_missing(monkeypatch):
         raise AttributeError("moved")
 
     monkeypatch.setattr(partitioners, "get_default_op_list", broken)
-    assert ac._partitioner_compute_ops() == set()
-    fallback = ac._base_save_ops.__wrapped__(True)
+    assert ac_ops.partitioner_compute_ops() == set()
+    fallback = ac_ops._base_save_ops.__wrapped__(True)
     assert aten._scaled_dot_product_flash_attention_for_cpu in fallback and aten.addmm in fallback
     assert aten.mm not in fallback
 
@@ -440,8 +440,7 @@ def test_moe_blocks_bitwise_with_spec_ops():
                for _ in range(2)]
     ref = _run_mode(base, "none", batches)
     for mode in ("full", "op"):
-        got = _run_mode(base, mode, batches, extra_save_ops=spec.sac_save_ops,
-                        force_recompute_fqns=spec.sac_force_recompute_fqns)
+        got = _run_mode(base, mode, batches, spec=spec)
         _assert_bitwise(ref, got)
 
 
@@ -514,7 +513,7 @@ def test_force_recompute_saves_less():
     # save, recompute, save -- the same saved shapes as before minus wq and wv outputs.
     assert plain - forced == (a.dim + a.kv_heads * a.head_dim) * tokens * 4
     # The temporary registration for this count is removed (other tests' models may still be registered).
-    assert not any(m in ac._FORCED_MODULES for m in block.modules())
+    assert not any(m in ac_sac._FORCED_MODULES for m in block.modules())
 
 
 # --------------------------------------------------------------------------- costs
@@ -649,11 +648,11 @@ def test_trace_only_on_rank_zero(monkeypatch):
     monkeypatch.setenv("AC_TRACE", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    assert ac._trace_enabled() is False
+    assert ac_trace.trace_enabled() is False
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    assert ac._trace_enabled() is True
+    assert ac_trace.trace_enabled() is True
     monkeypatch.setenv("AC_TRACE", "0")
-    assert ac._trace_enabled() is False
+    assert ac_trace.trace_enabled() is False
 
 
 def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):

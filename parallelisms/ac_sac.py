@@ -1,0 +1,192 @@
+"""Glue between our op-level policies and torch's selective checkpointing (SAC) internals.
+
+Why a module of its own: torch's SAC (`create_selective_checkpoint_contexts`) is a pair
+of dispatch modes that cache op outputs by per-op invocation index. Three things the
+policies need are not in its public API, and all of them live here, behind guards:
+
+- runtime ops (FSDP2's copy-in / split copies, the profiler's record_function ops) must
+  bypass the cache, because either pass may run them when the other does not;
+- whoever counts what the cache holds (`ac_measure.SavedActivationCounter`) listens
+  through `SAC_CACHE_LISTENERS`, so the training path never imports the counters;
+- force-recompute patterns need to know which module is running, in eager mode (global
+  module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import weakref
+
+import torch
+import torch.nn as nn
+
+from parallelisms.ac_ops import is_runtime_op
+
+# Objects with `add(obj, source)` that want every tensor the SAC cache keeps
+# (ac_measure.SavedActivationCounter registers itself while it is active).
+SAC_CACHE_LISTENERS: list = []
+
+
+def plain_tensors(t: torch.Tensor):
+    """The plain tensors behind a tensor subclass (DTensor, FSDP params, ...)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        try:
+            names, _ = t.__tensor_flatten__()
+            for n in names:
+                yield from plain_tensors(getattr(t, n))
+            return
+        except Exception:  # noqa: BLE001
+            pass
+    yield t
+
+
+def tracing_for_compile() -> bool:
+    """Whether the policy is being called while torch.compile traces (outputs are symbolic)."""
+    try:
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    except Exception:  # noqa: BLE001
+        return torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------------------
+# Which module is running (for module-name patterns)
+# ---------------------------------------------------------------------------
+
+_WRAPPER_ATTRS = frozenset({"L", "G", "self", "_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def module_path(name: str) -> str:
+    """A module path relative to the traced block from a dynamo source name such as
+    `L['self'].__dict__['_modules']['_checkpoint_wrapped_module'].feed_forward.w3`."""
+    name = re.sub(r"(?:\.__dict__)?(?:\._modules|\[['\"]_modules['\"]\])\[['\"]([^'\"]+)['\"]\]", r".\1", name)
+    name = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", name)
+    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_ATTRS)
+
+
+# Modules whose matmuls are force-recomputed -> their full name; and the names of those
+# currently executing. Maintained by one pair of *global* module hooks: per-module hooks
+# would have distinct ids per block, which dynamo guards on, recompiling every block.
+_FORCED_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FORCED_STACK: list[str] = []
+_GLOBAL_HOOKS: list = []
+
+
+def _forced_pre_hook(module, args):
+    if torch.compiler.is_compiling():  # traced away under compile; see ModuleScope.current
+        return
+    name = _FORCED_MODULES.get(module)
+    if name is not None:
+        _FORCED_STACK.append(name)
+
+
+def _forced_post_hook(module, args, output):
+    if torch.compiler.is_compiling():
+        return
+    if _FORCED_STACK and _FORCED_MODULES.get(module) is not None:
+        _FORCED_STACK.pop()
+
+
+def _ensure_global_hooks() -> None:
+    if not _GLOBAL_HOOKS:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        _GLOBAL_HOOKS.append(register_module_forward_pre_hook(_forced_pre_hook))
+        _GLOBAL_HOOKS.append(register_module_forward_hook(_forced_post_hook, always_call=True))
+
+
+class ModuleScope:
+    """Knows whether execution is inside a module whose name matches one of `patterns`.
+
+    In eager mode, global forward pre/post hooks keep a stack of the matching modules
+    being run; this is right in the forward and also in the recompute (which re-runs
+    the same module calls) on torch releases that call the policy there. Under
+    torch.compile the hooks are traced away and the policy runs while AOTAutograd
+    traces the graph: there the current FX node's `nn_module_stack` is read instead.
+    Patterns match the module name relative to the block (`feed_forward.w3`) or with
+    the block's prefix (`layers.3.feed_forward.w3`).
+    """
+
+    def __init__(self, patterns: tuple[str, ...]):
+        self.patterns = tuple(p for p in patterns if p)
+        self.prefix = ""
+        self.modules: list[nn.Module] = []
+
+    def matches(self, *names: str) -> bool:
+        return any(fnmatch.fnmatchcase(n, p) for n in names if n for p in self.patterns)
+
+    def install(self, block: nn.Module, prefix: str) -> int:
+        self.prefix = prefix
+        for rel, mod in block.named_modules():
+            full = f"{prefix}.{rel}" if prefix and rel else (prefix or rel)
+            if self.matches(rel, full):
+                _FORCED_MODULES[mod] = full
+                self.modules.append(mod)
+        if self.modules:
+            _ensure_global_hooks()
+        return len(self.modules)
+
+    def remove(self) -> None:
+        for mod in self.modules:
+            _FORCED_MODULES.pop(mod, None)
+        self.modules.clear()
+
+    def current(self) -> str | None:
+        if not self.patterns:
+            return None
+        if _FORCED_STACK:
+            return _FORCED_STACK[-1]
+        try:  # under compile: the node being traced knows its module path
+            import torch.fx.traceback as fx_traceback
+            meta = fx_traceback.get_current_meta() if hasattr(fx_traceback, "get_current_meta") else None
+            for key, val in ((meta or {}).get("nn_module_stack") or {}).items():
+                rel = module_path(val[0] if isinstance(val, tuple) else str(key))
+                if self.matches(rel, f"{self.prefix}.{rel}" if self.prefix and rel else rel):
+                    return rel
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+# ---------------------------------------------------------------------------
+# The SAC dispatch modes
+# ---------------------------------------------------------------------------
+
+def make_sac_modes(policy) -> tuple:
+    """create_selective_checkpoint_contexts(policy), with runtime ops kept out of the
+    cache in eager mode (on torch 2.13 the recompute replays the cache by per-op index
+    without calling the policy, so an op that only one pass runs must bypass it)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    fwd, rec = create_selective_checkpoint_contexts(policy)
+    for mode in (fwd, rec):
+        cls = _BYPASS_CLASSES.get(type(mode))
+        if cls is not None:
+            mode.__class__ = cls
+    return fwd, rec
+
+
+def _bypass_class(base):
+    try:
+        from torch.utils.checkpoint import _is_compiling
+    except ImportError:  # pragma: no cover - older torch
+        def _is_compiling(func, args, kwargs):
+            return torch.compiler.is_compiling()
+
+    class _RuntimeOpBypass(base):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_runtime_op(func) and not _is_compiling(func, args, kwargs):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    _RuntimeOpBypass.__name__ = _RuntimeOpBypass.__qualname__ = f"_RuntimeOpBypass{base.__name__}"
+    return _RuntimeOpBypass
+
+
+def _init_bypass_classes() -> dict:
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:  # pragma: no cover - the policy's PREFER_RECOMPUTE still applies
+        return {}
+    return {b: _bypass_class(b) for b in (_CachingTorchDispatchMode, _CachedTorchDispatchMode)}
+
+
+_BYPASS_CLASSES = _init_bypass_classes()
