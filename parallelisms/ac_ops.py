@@ -71,14 +71,13 @@ MATMUL_OPS: frozenset = frozenset(
 
 # Namespaces of runtime ops that must never reach the SAC storage: FSDP2's copy-in /
 # split-copy ops and the profiler's record_function ops can run in only one of the
-# two passes, which would shift the per-op invocation index of the cache.
-RUNTIME_OP_NAMESPACES = ("fsdp", "profiler")
-
-# Legacy in-place c10d spellings of the collectives.
-LEGACY_C10D_COLLECTIVES: frozenset = frozenset(op for op in (
-    lookup("c10d", n) for n in ("_reduce_scatter_base_", "_allgather_base_", "alltoall_base_",
-                                "reduce_scatter_tensor_coalesced_", "allgather_into_tensor_coalesced_"))
-    if op is not None)
+# two passes, which would shift the per-op invocation index of the cache. And the
+# legacy in-place c10d collectives: model code here only uses functional collectives
+# (`_c10d_functional`), so inside a checkpointed block these are FSDP2's own (an FSDP
+# unit nested in the block: routed experts under EP with efsdp > 1, or HSDP), e.g.
+# `c10d._allgather_base_` for the parameters. Saving its output would keep the
+# gathered parameters alive until backward and defeat resharding.
+RUNTIME_OP_NAMESPACES = ("fsdp", "profiler", "c10d")
 
 D2H_OPS: tuple = tuple(op for op in (lookup("aten", "_to_copy"), lookup("aten", "_local_scalar_dense")) if op is not None)
 
@@ -130,7 +129,7 @@ def _base_save_ops(seed_from_partitioner: bool = True) -> frozenset:
     if seed_from_partitioner:
         ops |= partitioner_compute_ops()
     ops |= {lookup("aten", n) for n in _CURATED_COMPUTE + _ATTENTION + _MISC_SAVE}
-    ops |= COLLECTIVE_OPS | LEGACY_C10D_COLLECTIVES
+    ops |= COLLECTIVE_OPS
     ops |= {compiled_region_hop(), flex_attention_hop()}
     ops.discard(None)
     # The matmuls alternate; they are not in the always-save set.

@@ -33,8 +33,10 @@ def plain_tensors(t: torch.Tensor):
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
         try:
             names, _ = t.__tensor_flatten__()
-            for n in names:
-                yield from plain_tensors(getattr(t, n))
+            for n in names:  # (DTensor also lists its device mesh)
+                inner = getattr(t, n)
+                if isinstance(inner, torch.Tensor):
+                    yield from plain_tensors(inner)
             return
         except Exception:  # noqa: BLE001
             pass
@@ -152,41 +154,82 @@ class ModuleScope:
 # ---------------------------------------------------------------------------
 
 def make_sac_modes(policy) -> tuple:
-    """create_selective_checkpoint_contexts(policy), with runtime ops kept out of the
-    cache in eager mode (on torch 2.13 the recompute replays the cache by per-op index
-    without calling the policy, so an op that only one pass runs must bypass it)."""
+    """create_selective_checkpoint_contexts(policy), with three additions in eager mode:
+
+    - runtime ops bypass the cache (on torch 2.13 the recompute replays the cache by
+      per-op index without calling the policy, so an op that only one pass runs must
+      not be counted);
+    - when the forward ends, `policy.finish(storage)` may release cache entries that
+      the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
+    - a cache entry that is a `Placeholder` is answered in the recompute with an empty
+      tensor of the recorded shape instead of running the op (its value is never read).
+    """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     fwd, rec = create_selective_checkpoint_contexts(policy)
     for mode in (fwd, rec):
-        cls = _BYPASS_CLASSES.get(type(mode))
+        cls = _MODE_CLASSES.get(type(mode))
         if cls is not None:
             mode.__class__ = cls
     return fwd, rec
 
 
-def _bypass_class(base):
-    try:
-        from torch.utils.checkpoint import _is_compiling
-    except ImportError:  # pragma: no cover - older torch
-        def _is_compiling(func, args, kwargs):
-            return torch.compiler.is_compiling()
+class Placeholder:
+    """A SAC cache entry standing for an op output that backward never reads: the
+    recompute gets an uninitialised tensor with the same metadata (shape, stride, dtype,
+    device), so the checkpoint's metadata check passes and no FLOP is spent."""
 
-    class _RuntimeOpBypass(base):  # type: ignore[misc, valid-type]
+    def __init__(self, out: torch.Tensor):
+        self.size, self.stride, self.dtype, self.device = out.size(), out.stride(), out.dtype, out.device
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+def kept_tensors(storage) -> list[torch.Tensor]:
+    """The tensors a SAC storage (torch 2.13 layout: {key: {index: entry}}) keeps alive."""
+    from torch.utils._pytree import tree_leaves
+    out = []
+    for entries in storage.values():
+        for entry in entries.values():
+            out += [leaf.val for leaf in tree_leaves(entry) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+    return out
+
+
+def _mode_classes() -> dict:
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode, _is_compiling
+    except ImportError:  # pragma: no cover - older torch: the policy's PREFER_RECOMPUTE still applies
+        return {}
+    try:
+        from torch.utils.checkpoint import _sac_storage_key
+    except ImportError:  # pragma: no cover
+        def _sac_storage_key(func, args):
+            return func
+
+    class _Caching(_CachingTorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if is_runtime_op(func) and not _is_compiling(func, args, kwargs):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    _RuntimeOpBypass.__name__ = _RuntimeOpBypass.__qualname__ = f"_RuntimeOpBypass{base.__name__}"
-    return _RuntimeOpBypass
+        def __exit__(self, *exc):
+            finish = getattr(self.policy_fn, "finish", None)
+            if finish is not None:
+                finish(self.storage)
+            return super().__exit__(*exc)
+
+    class _Cached(_CachedTorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_runtime_op(func) and not _is_compiling(func, args, kwargs):
+                return func(*args, **(kwargs or {}))
+            key = _sac_storage_key(func, args)
+            entry = self.storage.get(key, {}).get(self.func_counter[key])
+            if isinstance(entry, Placeholder):
+                self.func_counter[key] += 1
+                return entry.make()
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return {_CachingTorchDispatchMode: _Caching, _CachedTorchDispatchMode: _Cached}
 
 
-def _init_bypass_classes() -> dict:
-    try:
-        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
-    except ImportError:  # pragma: no cover - the policy's PREFER_RECOMPUTE still applies
-        return {}
-    return {b: _bypass_class(b) for b in (_CachingTorchDispatchMode, _CachedTorchDispatchMode)}
-
-
-_BYPASS_CLASSES = _init_bypass_classes()
+_MODE_CLASSES = _mode_classes()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from parallelisms.ac_ops import (
+    ALL_GATHER_OPS,
     D2H_OPS,
     MATMUL_OPS,
     RUNTIME_OP_NAMESPACES,
@@ -46,7 +48,7 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, make_sac_modes, plain_tensors, tracing_for_compile
+from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, kept_tensors, make_sac_modes, tracing_for_compile
 from parallelisms.ac_trace import reset_ac_trace, trace, trace_enabled
 from trainer.configurable import ConfigError, check_value, opt
 
@@ -76,6 +78,9 @@ class ActivationCheckpointConfig:
     memory_budget: float = opt(0.5, "For mode=memory_budget: 0 = recompute all, 1 = save all.", min=0.0, max=1.0)
     force_recompute_mm_fqns: list[str] = opt([], "Module-name patterns (fnmatch) whose matmuls are always recomputed.")
     preserve_rng_state: bool = opt(True, "Restore RNG state in the recompute so dropout masks match.")
+    save_all_gathers: bool = opt(False, "For mode=op: also keep the outputs of the model's all-gathers "
+                                 "(TP/SP). Under sequence parallel each is a full-sequence [batch, seq, dim] "
+                                 "tensor, two per block; off by default (see docs/activation_checkpointing.md).")
 
     def validate(self, root) -> None:
         self.check(compile_enabled=root.compile.enable)
@@ -118,6 +123,9 @@ class OpSACPolicy:
         self.trace = trace
         self.rules = rules
         self.mm_count = {False: 0, True: 0}
+        self.op_index: dict = defaultdict(int)  # per op, as torch's SAC storage indexes its entries
+        self.last_mm: tuple | None = None  # (op, index, saved?) of the latest matmul in the forward
+        self.compiled = False
 
     def decide(self, func, is_recompute: bool, args=(), out=None):
         """(CheckpointPolicy, verdict, note) for one op; advances the matmul count."""
@@ -126,19 +134,38 @@ class OpSACPolicy:
     def __call__(self, ctx, func, *args, **kwargs):
         from torch.utils.checkpoint import CheckpointPolicy as P
         is_recompute = bool(getattr(ctx, "is_recompute", False))
-        out = getattr(ctx, "op_output", None)
-        policy, verdict, note = self.decide(func, is_recompute, args, out)
+        policy, verdict, note = self.decide(func, is_recompute, args, getattr(ctx, "op_output", None))
         if self.trace:
             trace(func, verdict, note)
-        if policy is P.MUST_SAVE and not is_recompute and SAC_CACHE_LISTENERS and not tracing_for_compile():
-            # (While torch.compile traces, op_output is symbolic; the compiled graph's own
-            # saved tensors are what the outer hook then counts.)
-            if not hasattr(ctx, "op_output"):
-                raise RuntimeError("counting the SAC cache needs SelectiveCheckpointContext.op_output "
-                                   f"(torch >= 2.10); this is torch {torch.__version__}")
-            for listener in SAC_CACHE_LISTENERS:
-                listener.add(out, "sac_cache")
+        if not is_recompute:
+            self.compiled = self.compiled or tracing_for_compile()
+            index = self.op_index[func]
+            self.op_index[func] += 1
+            if op_key(func) in MATMUL_OPS:
+                self.last_mm = (func, index, policy is P.MUST_SAVE)
         return policy
+
+    def finish(self, storage) -> None:
+        """Called when the checkpointed forward ends, with torch's SAC storage.
+
+        The output of the block's last matmul (`w2`, `shared_experts.w2`) is released:
+        the non-reentrant checkpoint stops its recompute once backward has every tensor
+        it needs, which is before that matmul, so nothing ever reads the cached copy. (An
+        entry marked recompute is always safe: were the recompute to reach it, the op
+        would simply run.) Then what the cache keeps is reported to `SAC_CACHE_LISTENERS`.
+        Under torch.compile the partitioner owns the saved set, and nothing is done.
+        """
+        if self.compiled:
+            return
+        from torch.utils.checkpoint import _RECOMPUTE
+        if self.last_mm is not None and self.last_mm[2]:
+            func, index, _ = self.last_mm
+            if index in storage.get(func, {}):
+                storage[func][index] = _RECOMPUTE
+        if SAC_CACHE_LISTENERS:
+            kept = kept_tensors(storage)
+            for listener in SAC_CACHE_LISTENERS:
+                listener.add(kept, "sac_cache")
 
 
 # ---------------------------------------------------------------------------
@@ -262,8 +289,12 @@ class OpSAC(ACPolicy):
         return frozenset(op_key(op) for op in self.spec_save_ops) | self.extra_save_ops
 
     def save_ops(self) -> frozenset:
-        """The ops whose outputs are always saved."""
-        return default_save_ops(self.explicit_save_ops())
+        """The ops whose outputs are always saved: `default_save_ops`, without the
+        all-gathers unless `cfg.save_all_gathers` (an op listed explicitly stays)."""
+        ops = default_save_ops(self.explicit_save_ops())
+        if not self.cfg.save_all_gathers:
+            ops = (ops - {op_key(op) for op in ALL_GATHER_OPS}) | self.explicit_save_ops()
+        return ops
 
     def force_recompute_fqns(self) -> tuple[str, ...]:
         return tuple(self.spec_force_recompute_fqns) + self.extra_force_recompute_fqns + \
@@ -389,9 +420,6 @@ def op_sac_context_fn(*, extra_save_ops: Iterable = (), force_recompute_fqns: It
     policy = OpSAC(ActivationCheckpointConfig(mode="op"), extra_save_ops=extra_save_ops,
                    force_recompute_fqns=force_recompute_fqns)
     return policy.context_fn(block, prefix)
-
-
-_plain_tensors = plain_tensors  # kept for trainer/memory/probes.py
 
 
 def _check_cfg(cfg: ActivationCheckpointConfig, compile_enabled: bool | None = None) -> str:
