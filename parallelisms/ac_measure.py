@@ -115,9 +115,10 @@ def saved_activation_bytes(block: nn.Module, *inputs: Any, mode: str = "op",
     with `SavedActivationCounter`: autograd-saved tensors outside the checkpoint (for
     `full`/`op`: the block inputs) plus the SAC cache (for `op`).
 
-    - mode: none | full | op | selective (then `layer_id` decides whether this block is
-      checkpointed, as in the trainer) | memory_budget (raises: the compile partitioner
-      decides, there is no eager equivalent) | True/False.
+    - mode: none | full | op | budget (measured by one call first, as in training) |
+      selective (then `layer_id` decides whether this block is checkpointed, as in the
+      trainer) | memory_budget (raises: the compile partitioner decides, there is no eager
+      equivalent) | True/False.
     - cfg: supplies `selective_layer_interval` and `force_recompute_mm_fqns`.
     - Pass hidden-state inputs with `requires_grad=True`, as in training. Inputs that do
       not require grad (RoPE tables, masks) are treated as constants owned by the caller
@@ -140,6 +141,9 @@ def saved_activation_bytes(block: nn.Module, *inputs: Any, mode: str = "op",
     ckpt = None if kind == "none" else {**policy.checkpoint_kwargs(block, prefix=f"layers.{layer_id}"),
                                         "preserve_rng_state": False}
     try:
+        if ckpt is not None and not policy.calibrated(block):
+            with torch.enable_grad():  # a policy that measures the block first (budget)
+                checkpoint(block, *inputs, use_reentrant=False, **ckpt, **kwargs)
         with torch.enable_grad(), SavedActivationCounter(exclude) as counter:
             if ckpt is None:
                 block(*inputs, **kwargs)

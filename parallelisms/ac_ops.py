@@ -213,6 +213,11 @@ def _flop_formulas() -> dict:
     return {**flop_registry, **{op_key(k): shape_wrapper(v) for k, v in extra_flop_mapping().items()}}
 
 
+def has_flop_formula(op) -> bool:
+    """Whether FlopCounterMode (with `extra_flop_mapping`) counts FLOPs for `op`."""
+    return op_key(op) in _flop_formulas()
+
+
 def _local(x):
     """The data this rank computes on: a DTensor's local shard, other values as they are."""
     local = getattr(x, "_local_tensor", None) if isinstance(x, torch.Tensor) else None

@@ -1,13 +1,18 @@
 """Glue between our op-level policies and torch's selective checkpointing (SAC) internals.
 
 Why a module of its own: torch's SAC (`create_selective_checkpoint_contexts`) is a pair
-of dispatch modes that cache op outputs by per-op invocation index. Three things the
-policies need are not in its public API, and all of them live here, behind guards:
+of dispatch modes that cache op outputs by per-op invocation index, driven by a policy
+function. `OpSACPolicy` is that function for one checkpointed call (its rules come from
+an `activation_checkpoint.OpSAC`). What the policies need beyond torch's public API
+lives here, behind guards:
 
-- runtime ops (FSDP2's copy-in / split copies, the profiler's record_function ops) must
-  bypass the cache, because either pass may run them when the other does not;
-- whoever counts what the cache holds (`ac_measure.SavedActivationCounter`) listens
+- runtime ops (FSDP2's copy-in / split copies, legacy c10d collectives, the profiler's
+  record_function ops) bypass the cache, because either pass may run them when the
+  other does not;
+- when a forward ends, cache entries the recompute never reads are released, and
+  whoever counts what the cache holds (`ac_measure.SavedActivationCounter`) is told
   through `SAC_CACHE_LISTENERS`, so the training path never imports the counters;
+- a cache entry can be a `Placeholder` that the recompute answers without running the op;
 - force-recompute patterns need to know which module is running, in eager mode (global
   module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`.
 """
@@ -17,11 +22,13 @@ from __future__ import annotations
 import fnmatch
 import re
 import weakref
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
 
-from parallelisms.ac_ops import is_runtime_op
+from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
+from parallelisms.ac_trace import trace
 
 # Objects with `add(obj, source)` that want every tensor the SAC cache keeps
 # (ac_measure.SavedActivationCounter registers itself while it is active).
@@ -147,6 +154,87 @@ class ModuleScope:
         except Exception:  # noqa: BLE001
             pass
         return None
+
+
+# ---------------------------------------------------------------------------
+# The per-call policy function of op-level SAC
+# ---------------------------------------------------------------------------
+
+class OpSACPolicy:
+    """Policy function for `torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+
+    One instance serves one checkpointed call of one block (the context_fn builds a
+    fresh one on every call, so its counts reset per call). It holds the per-call state
+    (the matmul count per pass, the module scope) and asks its `rules` (an `OpSAC`, or
+    the default one) to `decide` each op. The matmul count is keyed on
+    `ctx.is_recompute`: torch releases that call the policy again in the recompute then
+    start that pass from zero too, so both passes agree even with an odd matmul count.
+    (torch 2.13 only calls it in the forward.)
+    """
+
+    def __init__(self, save_ops: frozenset, *, scope: ModuleScope | None = None, trace: bool = False,
+                 explicit_save_ops: frozenset = frozenset(), rules=None):
+        self.save_ops = save_ops
+        self.explicit_save_ops = frozenset(op_key(op) for op in explicit_save_ops)
+        self.scope = scope
+        self.trace = trace
+        self.rules = rules
+        self.mm_count = {False: 0, True: 0}
+        # Per pass and op: its invocation index, as torch's SAC storage keys its entries.
+        self.op_index: dict = {False: defaultdict(int), True: defaultdict(int)}
+        self.index = 0  # of the op being decided
+        self.last_mm: tuple | None = None  # (op, index, saved?) of the latest matmul in the forward
+        self.compiled = False
+        if rules is not None:
+            rules.start_call(self)
+
+    def decide(self, func, is_recompute: bool, args=(), out=None):
+        """(CheckpointPolicy, verdict, note) for one op; advances the matmul count."""
+        if self.rules is None:  # a policy function built on its own: the default op-level rules
+            from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC
+            self.rules = OpSAC(ActivationCheckpointConfig(mode="op"))
+        return self.rules.decide(self, func, is_recompute, args, out)
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy as P
+        is_recompute = bool(getattr(ctx, "is_recompute", False))
+        self.index = self.op_index[is_recompute][func]
+        self.op_index[is_recompute][func] += 1
+        out = getattr(ctx, "op_output", None)
+        policy, verdict, note = self.decide(func, is_recompute, args, out)
+        if self.trace:
+            trace(func, verdict, note)
+        if not is_recompute:
+            self.compiled = self.compiled or tracing_for_compile()
+            if op_key(func) in MATMUL_OPS:
+                self.last_mm = (func, self.index, policy is P.MUST_SAVE)
+            if self.rules is not None:
+                self.rules.observe(self, func, args, kwargs, out, policy)
+        return policy
+
+    def finish(self, storage) -> None:
+        """Called when the checkpointed forward ends, with torch's SAC storage.
+
+        The output of the block's last matmul (`w2`, `shared_experts.w2`) is released:
+        the non-reentrant checkpoint stops its recompute once backward has every tensor
+        it needs, which is before that matmul, so nothing ever reads the cached copy. (An
+        entry marked recompute is always safe: were the recompute to reach it, the op
+        would simply run.) Then what the cache keeps is reported to `SAC_CACHE_LISTENERS`.
+        Under torch.compile the partitioner owns the saved set, and nothing is done.
+        """
+        if self.compiled:
+            return
+        from torch.utils.checkpoint import _RECOMPUTE
+        if self.last_mm is not None and self.last_mm[2]:
+            func, index, _ = self.last_mm
+            if index in storage.get(func, {}):
+                storage[func][index] = _RECOMPUTE
+        if self.rules is not None:
+            self.rules.end_call(self, storage)
+        if SAC_CACHE_LISTENERS:
+            kept = kept_tensors(storage)
+            for listener in SAC_CACHE_LISTENERS:
+                listener.add(kept, "sac_cache")
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ Public surface
   force_recompute_fqns)`: wraps the blocks of `model.layers` in place (after TP, before
   compile and FSDP), once per model part. State-dict keys do not change.
 - `block_mode(cfg, layer_id)`: what a given block gets (selective resolves per layer).
-- `OpSACPolicy`: the policy function of one checkpointed call (`decide()` per op).
+- `OpSACPolicy` (from `ac_sac`): the policy function of one checkpointed call.
 - `op_sac_context_fn(...)`, `default_save_ops(...)`, `MATMUL_OPS`, `RUNTIME_OP_NAMESPACES`.
 
 Op sets live in `ac_ops`, the AC_TRACE diagnostics in `ac_trace`, the glue with torch's
@@ -29,8 +29,8 @@ path does not import; they are re-exported here lazily for existing callers.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,13 +48,13 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, kept_tensors, make_sac_modes, tracing_for_compile
-from parallelisms.ac_trace import reset_ac_trace, trace, trace_enabled
+from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
+from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from trainer.configurable import ConfigError, check_value, opt
 
 logger = logging.getLogger("ac")
 
-AC_MODES = ("none", "full", "selective", "op", "memory_budget")
+AC_MODES = ("none", "full", "selective", "op", "memory_budget", "budget")
 
 
 def _parse_mode(value):
@@ -70,9 +70,9 @@ def _parse_mode(value):
 class ActivationCheckpointConfig:
     """[activation_checkpoint]: what each transformer block keeps for backward."""
 
-    mode: str = opt("none", "none, full, selective (every Nth block), op (per-op SAC) or memory_budget "
-                    "(compile picks; needs compile.enable). true = full, false = none.",
-                    choices=AC_MODES, parse=_parse_mode)
+    mode: str = opt("none", "none, full, selective (every Nth block), op (per-op SAC), memory_budget "
+                    "(compile picks; needs compile.enable) or budget (eager memory-budget SAC). "
+                    "true = full, false = none.", choices=AC_MODES, parse=_parse_mode)
     selective_layer_interval: int = opt(2, "For mode=selective: checkpoint every Nth block (blocks whose "
                                         "layer id is a multiple of N, starting at 0).", min=1)
     memory_budget: float = opt(0.5, "For mode=memory_budget: 0 = recompute all, 1 = save all.", min=0.0, max=1.0)
@@ -81,6 +81,11 @@ class ActivationCheckpointConfig:
     save_all_gathers: bool = opt(False, "For mode=op: also keep the outputs of the model's all-gathers "
                                  "(TP/SP). Under sequence parallel each is a full-sequence [batch, seq, dim] "
                                  "tensor, two per block; off by default (see docs/activation_checkpointing.md).")
+
+    budget_mib: float | None = opt(None, "For mode=budget: the bytes one block may keep for backward, in MiB "
+                                   "(its input included). Unset: budget_fraction of what `none` keeps.", min=0.0)
+    budget_fraction: float = opt(0.5, "For mode=budget without budget_mib: the share of the block's `none` "
+                                 "bytes it may keep (0 = full AC, 1 = all that none keeps).", min=0.0, max=1.0)
 
     def validate(self, root) -> None:
         self.check(compile_enabled=root.compile.enable)
@@ -96,76 +101,10 @@ class ActivationCheckpointConfig:
         if mode == "memory_budget" and compile_enabled is False:
             raise ConfigError("config error: activation_checkpoint.mode: memory_budget needs compile; "
                               "set --compile.enable true or pick another mode")
+        if mode == "budget" and compile_enabled:
+            raise ConfigError("config error: activation_checkpoint.mode: budget is the eager memory budget; "
+                              "under compile.enable use mode memory_budget")
         return mode
-
-
-# ---------------------------------------------------------------------------
-# The per-call policy function of op-level SAC
-# ---------------------------------------------------------------------------
-
-class OpSACPolicy:
-    """Policy function for `torch.utils.checkpoint.create_selective_checkpoint_contexts`.
-
-    One instance serves one checkpointed call of one block (the context_fn builds a
-    fresh one on every call, so its counts reset per call). It holds the per-call state
-    (the matmul count per pass, the module scope) and asks its `rules` (an `OpSAC`, or
-    the default one) to `decide` each op. The matmul count is keyed on
-    `ctx.is_recompute`: torch releases that call the policy again in the recompute then
-    start that pass from zero too, so both passes agree even with an odd matmul count.
-    (torch 2.13 only calls it in the forward.)
-    """
-
-    def __init__(self, save_ops: frozenset, *, scope: ModuleScope | None = None, trace: bool = False,
-                 explicit_save_ops: frozenset = frozenset(), rules: OpSAC | None = None):
-        self.save_ops = save_ops
-        self.explicit_save_ops = frozenset(op_key(op) for op in explicit_save_ops)
-        self.scope = scope
-        self.trace = trace
-        self.rules = rules
-        self.mm_count = {False: 0, True: 0}
-        self.op_index: dict = defaultdict(int)  # per op, as torch's SAC storage indexes its entries
-        self.last_mm: tuple | None = None  # (op, index, saved?) of the latest matmul in the forward
-        self.compiled = False
-
-    def decide(self, func, is_recompute: bool, args=(), out=None):
-        """(CheckpointPolicy, verdict, note) for one op; advances the matmul count."""
-        return (self.rules or _default_rules()).decide(self, func, is_recompute, args, out)
-
-    def __call__(self, ctx, func, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy as P
-        is_recompute = bool(getattr(ctx, "is_recompute", False))
-        policy, verdict, note = self.decide(func, is_recompute, args, getattr(ctx, "op_output", None))
-        if self.trace:
-            trace(func, verdict, note)
-        if not is_recompute:
-            self.compiled = self.compiled or tracing_for_compile()
-            index = self.op_index[func]
-            self.op_index[func] += 1
-            if op_key(func) in MATMUL_OPS:
-                self.last_mm = (func, index, policy is P.MUST_SAVE)
-        return policy
-
-    def finish(self, storage) -> None:
-        """Called when the checkpointed forward ends, with torch's SAC storage.
-
-        The output of the block's last matmul (`w2`, `shared_experts.w2`) is released:
-        the non-reentrant checkpoint stops its recompute once backward has every tensor
-        it needs, which is before that matmul, so nothing ever reads the cached copy. (An
-        entry marked recompute is always safe: were the recompute to reach it, the op
-        would simply run.) Then what the cache keeps is reported to `SAC_CACHE_LISTENERS`.
-        Under torch.compile the partitioner owns the saved set, and nothing is done.
-        """
-        if self.compiled:
-            return
-        from torch.utils.checkpoint import _RECOMPUTE
-        if self.last_mm is not None and self.last_mm[2]:
-            func, index, _ = self.last_mm
-            if index in storage.get(func, {}):
-                storage[func][index] = _RECOMPUTE
-        if SAC_CACHE_LISTENERS:
-            kept = kept_tensors(storage)
-            for listener in SAC_CACHE_LISTENERS:
-                listener.add(kept, "sac_cache")
 
 
 # ---------------------------------------------------------------------------
@@ -192,6 +131,10 @@ class ACPolicy:
     def checkpoint_kwargs(self, block: nn.Module, *, prefix: str) -> dict[str, Any]:
         """Keyword arguments of `torch.utils.checkpoint.checkpoint` for a wrapped block."""
         return {"preserve_rng_state": self.cfg.preserve_rng_state}
+
+    def calibrated(self, block: nn.Module) -> bool:
+        """Whether this policy knows what to keep for `block` before running it once."""
+        return True
 
     @staticmethod
     def release(kwargs: dict[str, Any]) -> None:
@@ -321,6 +264,16 @@ class OpSAC(ACPolicy):
             return P.MUST_SAVE, "SAVE", "device-to-host copy"
         return P.PREFER_RECOMPUTE, "RECOMPUTE", ""
 
+    # Hooks of one checkpointed call (the memory-budget policy measures through them).
+    def start_call(self, call: OpSACPolicy) -> None:
+        """When the call's policy function is built, before its forward."""
+
+    def observe(self, call: OpSACPolicy, func, args, kwargs, out, policy) -> None:
+        """After each op of the call's forward has been decided."""
+
+    def end_call(self, call: OpSACPolicy, storage) -> None:
+        """When the call's forward ends (eager mode only), with torch's SAC storage."""
+
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
 
@@ -346,13 +299,11 @@ class OpSAC(ACPolicy):
         return {**super().checkpoint_kwargs(block, prefix=prefix), "context_fn": self.context_fn(block, prefix)}
 
 
-POLICIES: dict[str, type[ACPolicy]] = {
+# Mode -> policy class ("module:name" for one imported only when that mode is used).
+POLICIES: dict[str, Any] = {
     "none": NoAC, "full": FullAC, "selective": SelectiveAC, "op": OpSAC, "memory_budget": MemoryBudgetAC,
+    "budget": "parallelisms.ac_budget:BudgetSAC",
 }
-
-
-def _default_rules() -> OpSAC:
-    return OpSAC(ActivationCheckpointConfig(mode="op"))
 
 
 # ---------------------------------------------------------------------------
@@ -381,8 +332,11 @@ def policy_for(cfg: ActivationCheckpointConfig, *, spec=None, compile_enabled: b
     """The policy for `cfg` (validated by `cfg.check`): the model spec's class for the mode
     if it has one (`spec.ac_policies`), else the default one."""
     mode = cfg.check(compile_enabled)
-    classes = {**POLICIES, **(getattr(spec, "ac_policies", None) or {})}
-    return classes[mode](cfg, extra_save_ops=extra_save_ops, force_recompute_fqns=force_recompute_fqns)
+    cls = {**POLICIES, **(getattr(spec, "ac_policies", None) or {})}[mode]
+    if isinstance(cls, str):
+        module, name = cls.split(":")
+        cls = getattr(importlib.import_module(module), name)
+    return cls(cfg, extra_save_ops=extra_save_ops, force_recompute_fqns=force_recompute_fqns)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig, *, spec=None,

@@ -4,7 +4,7 @@
     python scripts/bench_activation_checkpoint.py --config llama_debug.toml [--section.key value ...]
     python scripts/bench_activation_checkpoint.py --block-8b            # one Llama 3 8B layer, seq 256, batch 1
 
-Prints one row per mode (none, full, selective, op; memory_budget too when
+Prints one row per mode (none, full, selective, op, budget; memory_budget too when
 --compile.enable true, and then every mode is compiled so the comparison holds
 compile fixed):
 
@@ -27,7 +27,9 @@ compile fixed):
   holds backward's transient buffers, and during a block's recompute that block's whole
   activations, so it falls less than saved/block suggests.
 
-Bench flags: --block-8b, --modes none,full,..., --steps N (timed), --seq-len, --batch,
+Bench flags: --block-8b, --modes none,full,..., --budgets 0,0.25,...,inf (rows of mode=budget
+with those budget_fraction values, inf = no limit, next to none and full; the first step
+of a budget row measures the blocks and is not counted), --steps N (timed), --seq-len, --batch,
 --check-bytes (cross-check saved/block against saved_activation_bytes per block),
 --threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine),
 --in-process (all modes in this process; peak RSS is then not per mode).
@@ -55,13 +57,16 @@ from trainer.memory import _hwm_bytes, _malloc_trim, _reset_hwm, _rss_bytes  # n
 from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes  # noqa: E402
 from parallelisms.activation_checkpoint import apply_activation_checkpointing, unwrap_block  # noqa: E402
 
-EAGER_MODES = ("none", "full", "selective", "op")
+EAGER_MODES = ("none", "full", "selective", "op", "budget")
 
 
 def _bench_args(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-8b", action="store_true", help="one Llama 3 8B layer (seq 256, batch 1 unless given)")
     p.add_argument("--modes", default=None, help="comma-separated subset of the modes")
+    p.add_argument("--budgets", default=None,
+                   help="rows of mode=budget instead: comma-separated fractions of none's bytes (and inf), "
+                        "next to none and full, e.g. 0,0.1,0.25,0.5,0.75,1,inf")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 3; 1 with --block-8b)")
     p.add_argument("--check-bytes", action="store_true",
                    help="also count each block with saved_activation_bytes and warn on any difference")
@@ -122,6 +127,17 @@ def _build(spec, args, device, dtype):
     return model.to(dtype)
 
 
+def _ac_cfg(base, mode: str):
+    """The AC config of a row: a mode, or `budget:F` (budget_fraction F of none's bytes;
+    `budget:inf` for no limit)."""
+    if not mode.startswith("budget:"):
+        return dataclasses.replace(base, mode=mode)
+    value = mode.split(":", 1)[1]
+    if value == "inf":
+        return dataclasses.replace(base, mode="budget", budget_mib=1e12)
+    return dataclasses.replace(base, mode="budget", budget_mib=None, budget_fraction=float(value))
+
+
 def _peak_rss_bytes() -> int:
     peak = _hwm_bytes()
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak
@@ -137,7 +153,7 @@ def run_mode(mode: str, opts, cfg) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     compiled = bool(cfg.compile.enable)
-    ac_cfg = dataclasses.replace(cfg.activation_checkpoint, mode=mode)
+    ac_cfg = _ac_cfg(cfg.activation_checkpoint, mode)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=g).to(device)
 
@@ -145,6 +161,10 @@ def run_mode(mode: str, opts, cfg) -> dict:
     head_only = _build(spec, dataclasses.replace(args, n_layers=0), device, dtype)
     n_layers = len(model.layers)
     apply_activation_checkpointing(model, ac_cfg, spec=spec, compile_enabled=compiled)
+
+    if ac_cfg.mode == "budget":  # its first call of each kind of block measures (and runs as full)
+        _loss(model, tokens).backward()
+        model.zero_grad(set_to_none=True)
 
     def forward_counted(m):
         exclude = list(m.parameters()) + list(m.buffers())
@@ -174,7 +194,7 @@ def run_mode(mode: str, opts, cfg) -> dict:
         ref = 0
         for key, block in model.layers.items():
             x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
-            ref += saved_activation_bytes(unwrap_block(block), x, model.rope_cache[:seq], mode=mode, cfg=ac_cfg,
+            ref += saved_activation_bytes(unwrap_block(block), x, model.rope_cache[:seq], mode=ac_cfg.mode, cfg=ac_cfg,
                                           spec=spec, layer_id=int(key))
         check = ref / max(n_layers, 1)
 
@@ -250,9 +270,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if opts._worker:
         print("RESULT " + json.dumps(run_mode(opts._worker, opts, cfg)), flush=True)
         return []
-    modes = list(EAGER_MODES) + (["memory_budget"] if cfg.compile.enable else [])
+    # (budget is the eager memory budget: under compile, memory_budget is the one.)
+    modes = [m for m in EAGER_MODES if m != "budget"] + ["memory_budget"] if cfg.compile.enable else list(EAGER_MODES)
     if opts.modes:
         modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if opts.budgets:
+        modes = ["none", "full"] + [f"budget:{b.strip()}" for b in opts.budgets.split(",") if b.strip()]
     _, args, batch, seq, what = _setup(opts, cfg)
     title = (f"{what}: {args.n_layers} blocks, batch {batch}, seq {seq}, "
              f"compile {'on' if cfg.compile.enable else 'off'}, selective every "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from parallelisms.ac_budget import BudgetSAC
 from parallelisms.activation_checkpoint import OpSAC
 
 
@@ -35,4 +36,12 @@ class MoEOpSAC(OpSAC):
     spec_force_recompute_fqns = ("*router.gate*",)
 
 
-AC_POLICIES = {"op": MoEOpSAC}
+class MoEBudgetSAC(BudgetSAC):
+    """The eager memory budget for DeepSeek V3 blocks: the routing and all-to-all ops are
+    kept whatever the budget, the router gate's matmul is always recomputed."""
+
+    spec_save_ops = MoEOpSAC.spec_save_ops
+    spec_force_recompute_fqns = MoEOpSAC.spec_force_recompute_fqns
+
+
+AC_POLICIES = {"op": MoEOpSAC, "budget": MoEBudgetSAC}
