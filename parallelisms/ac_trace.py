@@ -10,7 +10,8 @@ per block. `reset_ac_trace()` forgets what was logged, so it is logged again.
 from __future__ import annotations
 
 import logging
-import os
+
+from trainer.configurable import env_flag
 
 logger = logging.getLogger("ac")
 
@@ -24,7 +25,7 @@ def reset_ac_trace() -> None:
 
 def trace_enabled() -> bool:
     """AC_TRACE is set (and not 0/false/no/off), and this is rank 0 (or not distributed)."""
-    if os.environ.get("AC_TRACE", "0").strip().lower() in ("", "0", "false", "no", "off"):
+    if not env_flag("AC_TRACE"):
         return False
     try:
         import torch.distributed as dist

@@ -461,9 +461,10 @@ def test_saved_bytes_match_analytic_counts(flavor):
     tokens = x.shape[0] * x.shape[1]
     block = model.layers["0"]
     d, f, h, kv = a.dim, a.ffn_hidden_dim, a.n_heads, a.kv_heads * a.head_dim
-    # none: x, x*rsqrt, normed (attn and ffn each), q, k, v, SDPA out (which wo reads as a
-    # view), h, the SwiGLU's 4 [ffn] tensors, 2 rsqrt columns and SDPA's logsumexp.
-    assert saved_activation_bytes(block, x, rope, mode="none") == (10 * d + 4 * f + 2 + h) * tokens * 4
+    # none: x, x*rsqrt, normed (attn and ffn each), q, k and v (k, v at the KV heads: SDPA's
+    # enable_gqa broadcasts them), SDPA out (which wo reads as a view), h, the SwiGLU's 4
+    # [ffn] tensors, 2 rsqrt columns and SDPA's logsumexp.
+    assert saved_activation_bytes(block, x, rope, mode="none") == (8 * d + 2 * kv + 4 * f + 2 + h) * tokens * 4
     # full: only the block input.
     assert saved_activation_bytes(block, x, rope, mode="full") == d * tokens * 4
     # op: the input + odd matmuls (wq, wv, w1; not w2, the block's last matmul, whose output
