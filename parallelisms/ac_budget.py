@@ -258,6 +258,7 @@ class BudgetSAC(OpSAC):
     kind) hold what was chosen and measured."""
 
     mode = "budget"
+    cache_decisions = False  # decisions depend on each op's invocation index
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -273,23 +274,17 @@ class BudgetSAC(OpSAC):
     def calibrated(self, block: nn.Module) -> bool:
         return block_kind(block) in self.choices
 
-    def context_fn(self, block: nn.Module | None = None, prefix: str = ""):
-        fn = super().context_fn(block, prefix)
-        kind, pinned = block_kind(block) if block is not None else (prefix,), self.pinned_ops()
-
-        def context_fn():
-            self._next = (kind, prefix, pinned)  # read by start_call, within this call
-            return fn()
-
-        context_fn.scope = fn.scope  # type: ignore[attr-defined]
-        return context_fn
+    def block_info(self, block: nn.Module | None, prefix: str) -> dict:
+        kind = block_kind(block) if block is not None else (prefix,)
+        return {**super().block_info(block, prefix), "kind": kind, "pinned": self.pinned_ops()}
 
     def checkpoint_kwargs(self, block: nn.Module, *, prefix: str) -> dict:
         kwargs = super().checkpoint_kwargs(block, prefix=prefix)
         return {**kwargs, "determinism_check": self.probe} if self.probe else kwargs
 
     def start_call(self, call) -> None:
-        call.kind, call.prefix, call.pinned = getattr(self, "_next", (("?",), "", frozenset()))
+        call.kind, call.prefix = call.info.get("kind", ("?",)), call.info.get("prefix", "")
+        call.pinned = call.info.get("pinned", frozenset())
         call.choice = self.choices.get(call.kind)
         call.calibration = None
         if call.choice is None and not tracing_for_compile():

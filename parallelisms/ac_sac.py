@@ -173,7 +173,8 @@ class OpSACPolicy:
     """
 
     def __init__(self, save_ops: frozenset, *, scope: ModuleScope | None = None, trace: bool = False,
-                 explicit_save_ops: frozenset = frozenset(), rules=None):
+                 explicit_save_ops: frozenset = frozenset(), rules=None, info: dict | None = None):
+        self.info = info or {}  # what the rules noted about the block (OpSAC.block_info)
         self.save_ops = save_ops
         self.explicit_save_ops = frozenset(op_key(op) for op in explicit_save_ops)
         self.scope = scope
@@ -184,16 +185,26 @@ class OpSACPolicy:
         self.op_index: dict = {False: defaultdict(int), True: defaultdict(int)}
         self.index = 0  # of the op being decided
         self.last_mm: tuple | None = None  # (op, index, saved?) of the latest matmul in the forward
-        self.compiled = False
+        self.skipped: list = []  # (op, index, Placeholder) for the "SKIP" verdicts
+        self._static: dict = {}
+        self.compiled: bool | None = None  # known at the first op
         if rules is not None:
             rules.start_call(self)
 
     def decide(self, func, is_recompute: bool, args=(), out=None):
-        """(CheckpointPolicy, verdict, note) for one op; advances the matmul count."""
+        """(CheckpointPolicy, verdict, note) for one op; advances the matmul count.
+        Decisions that depend on the op alone are remembered for the rest of the call
+        (a block runs each element-wise op many times; the policy runs in Python)."""
+        known = self._static.get(func)
+        if known is not None:
+            return known
         if self.rules is None:  # a policy function built on its own: the default op-level rules
             from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC
             self.rules = OpSAC(ActivationCheckpointConfig(mode="op"))
-        return self.rules.decide(self, func, is_recompute, args, out)
+        decision = self.rules.decide(self, func, is_recompute, args, out)
+        if self.rules.cache_decisions and op_key(func) not in self.rules.dynamic_ops:
+            self._static[func] = decision
+        return decision
 
     def __call__(self, ctx, func, *args, **kwargs):
         from torch.utils.checkpoint import CheckpointPolicy as P
@@ -205,9 +216,12 @@ class OpSACPolicy:
         if self.trace:
             trace(func, verdict, note)
         if not is_recompute:
-            self.compiled = self.compiled or tracing_for_compile()
+            if self.compiled is None:
+                self.compiled = tracing_for_compile()
             if op_key(func) in MATMUL_OPS:
                 self.last_mm = (func, self.index, policy is P.MUST_SAVE)
+            if verdict == "SKIP" and isinstance(out, torch.Tensor):
+                self.skipped.append((func, self.index, Placeholder(out)))
             if self.rules is not None:
                 self.rules.observe(self, func, args, kwargs, out, policy)
         return policy
@@ -220,7 +234,9 @@ class OpSACPolicy:
         it needs, which is before that matmul, so nothing ever reads the cached copy. (An
         entry marked recompute is always safe: were the recompute to reach it, the op
         would simply run.) Then what the cache keeps is reported to `SAC_CACHE_LISTENERS`.
-        Under torch.compile the partitioner owns the saved set, and nothing is done.
+        Ops the rules marked "SKIP" (their output is read by nothing the recompute or
+        backward runs) get a `Placeholder` entry: the recompute does not run them. Under
+        torch.compile the partitioner owns the saved set, and nothing is done.
         """
         if self.compiled:
             return
@@ -229,6 +245,9 @@ class OpSACPolicy:
             func, index, _ = self.last_mm
             if index in storage.get(func, {}):
                 storage[func][index] = _RECOMPUTE
+        for func, index, placeholder in self.skipped:
+            if storage.get(func, {}).get(index) is _RECOMPUTE:
+                storage[func][index] = placeholder
         if self.rules is not None:
             self.rules.end_call(self, storage)
         if SAC_CACHE_LISTENERS:

@@ -226,6 +226,10 @@ class OpSAC(ACPolicy):
     mode = "op"
     spec_save_ops: ClassVar[frozenset] = frozenset()
     spec_force_recompute_fqns: ClassVar[tuple[str, ...]] = ()
+    # Ops whose decision depends on more than the op (counts, arguments, call state);
+    # a call remembers the decisions of all others (`cache_decisions`).
+    dynamic_ops: ClassVar[frozenset] = MATMUL_OPS | frozenset(op_key(op) for op in D2H_OPS)
+    cache_decisions: ClassVar[bool] = True
 
     def explicit_save_ops(self) -> frozenset:
         """The ops listed by the spec or the plan (a matmul listed here is saved, not alternated)."""
@@ -274,6 +278,11 @@ class OpSAC(ACPolicy):
     def end_call(self, call: OpSACPolicy, storage) -> None:
         """When the call's forward ends (eager mode only), with torch's SAC storage."""
 
+    def block_info(self, block: nn.Module | None, prefix: str) -> dict:
+        """What the rules want to know about a block, once, when it is wrapped (each
+        call's `OpSACPolicy.info`)."""
+        return {"prefix": prefix}
+
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
 
@@ -282,7 +291,7 @@ class OpSAC(ACPolicy):
         (relative name, or `prefix.relative`), hooks are installed on those submodules;
         `context_fn.scope.remove()` takes them off again.
         """
-        save_ops, explicit, rules = self.save_ops(), self.explicit_save_ops(), self
+        save_ops, explicit, rules, info = self.save_ops(), self.explicit_save_ops(), self, self.block_info(block, prefix)
         scope = ModuleScope(self.force_recompute_fqns())
         if block is not None and scope.patterns:
             scope.install(block, prefix)
@@ -290,7 +299,7 @@ class OpSAC(ACPolicy):
         def context_fn():
             # A plain closure (not a partial of objects) so that dynamo accepts it.
             return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(),
-                                              explicit_save_ops=explicit, rules=rules))
+                                              explicit_save_ops=explicit, rules=rules, info=info))
 
         context_fn.scope = scope  # type: ignore[attr-defined]
         return context_fn

@@ -15,7 +15,9 @@ A variant is an AC mode, optionally with `+flag` (sets `--activation_checkpoint.
 true`) or `+key=value` parts. Printed per variant: the exact bytes kept for backward in
 one step on rank 0 (`SavedActivationCounter`: autograd-saved + SAC cache) and the SAC
 cache part; the step time (slowest rank; median and min over the rounds), and its excess
-over `none` (the recompute and the policy's cost). `--profile VARIANT` also prints the
+over `none` (the recompute and the policy's cost); the CPU time of a step summed over the
+ranks (median; steadier than wall time on a shared machine, blind to time spent waiting).
+The order of the variants is reversed every other round. `--profile VARIANT` also prints the
 ops with the most self CPU time in one step of that variant and of `full` (torch.profiler).
 Run with `OMP_NUM_THREADS=1` ranks (the launcher sets it).
 """
@@ -50,7 +52,7 @@ def _worker(opts, rest: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallelisms.ac_measure import SavedActivationCounter
+    from parallelisms.activation_checkpoint import SavedActivationCounter
     from trainer.config import load_config
     from trainer.train import Trainer, setup_logging
 
@@ -65,12 +67,13 @@ def _worker(opts, rest: list[str]) -> None:
     for v in variants:
         cfg = load_config([*common, *rest, *_variant_args(v), "--job.dump_folder", f"{tmp}/{v}"])
         trainers[v] = Trainer(cfg)
-    saved, times = {}, {v: [] for v in variants}
+    saved, times, cpu = {}, {v: [] for v in variants}, {v: [] for v in variants}
     for r in range(opts.rounds + 1):
-        for v, trainer in trainers.items():
+        # Alternate the order every round, so that no variant always follows the same one.
+        for v, trainer in (list(trainers.items()) if r % 2 == 0 else list(trainers.items())[::-1]):
             batches = trainer.next_microbatches()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if r == 0:  # warm-up round: count what is kept for backward
                 exclude = [t for p in trainer.model_parts for t in list(p.parameters()) + list(p.buffers())]
                 with SavedActivationCounter(exclude) as counter:
@@ -78,29 +81,31 @@ def _worker(opts, rest: list[str]) -> None:
                 saved[v] = dict(counter.bytes_by_source)
             else:
                 trainer.train_step(batches)
-            dt = torch.tensor(time.perf_counter() - t0)
+            dt, dc = torch.tensor(time.perf_counter() - t0), torch.tensor(time.process_time() - c0)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            dist.all_reduce(dc)
             if r:
                 times[v].append(dt.item())
+                cpu[v].append(dc.item())
     if opts.profile:
         for v in dict.fromkeys([opts.profile, "full"]):
             if v in trainers:
-                _profile(trainers[v], v, rank)
+                _profile(trainers[v], v, rank, opts.profile_rows)
     if rank == 0:
-        print("RESULT " + json.dumps({"saved": saved, "times": times}), flush=True)
+        print("RESULT " + json.dumps({"saved": saved, "times": times, "cpu": cpu}), flush=True)
     for trainer in trainers.values():
         trainer.close(destroy_process_group=False)
     dist.destroy_process_group()
 
 
-def _profile(trainer, name: str, rank: int) -> None:
+def _profile(trainer, name: str, rank: int, rows: int) -> None:
     from torch.profiler import ProfilerActivity, profile
     batches = trainer.next_microbatches()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         trainer.train_step(batches)
     if rank == 0:
         print(f"PROFILE {name}: top ops by self CPU time, one step, rank 0")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
 
 
 def _fmt_mib(n: float) -> str:
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default="none,full,op")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--profile", default=None, help="variant to profile (one step, with full for comparison)")
+    p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     opts = p.parse_args(own)
@@ -128,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
            str(Path(__file__).resolve()), "--_worker", "--variants", opts.variants, "--rounds", str(opts.rounds),
-           *(["--profile", opts.profile] if opts.profile else []), "--", *rest]
+           *(["--profile", opts.profile, "--profile-rows", str(opts.profile_rows)] if opts.profile else []),
+           "--", *rest]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=opts.timeout)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -141,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     times = res["times"]
     base = statistics.median(times["none"]) if "none" in times else None
     print(f"{opts.nproc} ranks, {opts.rounds} interleaved rounds, args: {' '.join(rest)}")
-    header = f"{'variant':<28}{'saved MiB':>11}{'SAC MiB':>9}{'s/step med':>12}{'s/step min':>12}{'vs none':>9}"
+    header = (f"{'variant':<28}{'saved MiB':>11}{'SAC MiB':>9}{'s/step med':>12}{'s/step min':>12}{'vs none':>9}"
+              f"{'CPU s/step':>12}")
     print(header + "\n" + "-" * len(header))
     for v in opts.variants.split(","):
         s, t = res["saved"][v], times[v]
         med = statistics.median(t)
         extra = f"{100 * (med / base - 1):+.0f}%" if base else "n/a"
         print(f"{v:<28}{_fmt_mib(s['autograd'] + s['sac_cache']):>11}{_fmt_mib(s['sac_cache']):>9}"
-              f"{med:>12.3f}{min(t):>12.3f}{extra:>9}")
+              f"{med:>12.3f}{min(t):>12.3f}{extra:>9}{statistics.median(res['cpu'][v]):>12.3f}")
 
 
 if __name__ == "__main__":

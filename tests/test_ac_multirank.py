@@ -176,6 +176,10 @@ def test_op_never_keeps_fsdp_all_gather_inside_a_block(dist_runs):
           "SAC cache bytes", op["sac_cache"])
     assert max(op["kept_numels"]) < min(gathered)
     assert not any("SAVE c10d." in line for line in op["trace"])  # (runtime ops bypass the policy)
+    # DeepSeek's MoE rules under EP: the experts' down GEMM and its un-regrouping are not
+    # recomputed (the kept combine all-to-all is all that reads them); numerics below.
+    for op_name in ("aten._grouped_mm.default", "aten.index_select.default"):
+        assert any(line.startswith(f"AC_TRACE SKIP {op_name}") for line in op["trace"]), op_name
     _assert_same_run(op, dist_runs["ep2_fsdp2_none"])
 
 

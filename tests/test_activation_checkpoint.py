@@ -687,3 +687,35 @@ def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):
     untouched = _llama()
     apply_compile(untouched, CompileConfig(enable=False), ActivationCheckpointConfig(mode="full"))
     assert all(b._compiled_call_impl is None for b in untouched.layers.values())
+
+
+def test_moe_policy_decisions():
+    """DeepSeek's op-level rules on a MoE block: the gate GEMM kept, the up GEMM recomputed,
+    the down GEMM kept (1 rank) or, under EP, skipped with the index_select after it (the
+    kept combine all-to-all is all that reads them); bmm recomputed; dense blocks unchanged."""
+    from models.deepseek_v3.ac import MoEOpSAC
+    from parallelisms.ac_sac import OpSACPolicy
+    rules = MoEOpSAC(ActivationCheckpointConfig(mode="op"))
+    g, ix = aten._grouped_mm.default, aten.index_select.default
+    ops = [ix, g, g, g, ix, aten.bmm.default, aten.topk.default, g, g, g, ix]
+    S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+
+    def run(info):
+        call = OpSACPolicy(rules.save_ops(), explicit_save_ops=rules.explicit_save_ops(), rules=rules, info=info)
+        verdicts = []
+        for op in ops:  # (what OpSACPolicy.__call__ does before deciding: the op's invocation index)
+            call.index = call.op_index[False][op]
+            call.op_index[False][op] += 1
+            policy, verdict, _ = call.decide(op, False)
+            verdicts.append((policy, verdict))
+        return verdicts
+
+    assert run({"moe": True, "ep": True}) == [
+        (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP"), (R, "RECOMPUTE"), (S, "SAVE"),
+        (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP")]
+    assert run({"moe": True, "ep": False}) == [
+        (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "RECOMPUTE"), (S, "SAVE"),
+        (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE")]
+    # A dense block: the default rules (grouped GEMMs alternate like every matmul, bmm is saved).
+    assert run({"moe": False})[1:4] == [(S, "ALTERNATE"), (R, "ALTERNATE"), (S, "ALTERNATE")]
+    assert run({"moe": False})[5] == (S, "SAVE")
