@@ -31,7 +31,9 @@ Bench flags: --block-8b, --modes none,full,..., --budgets 0,0.25,...,inf (rows o
 with those budget_fraction values, inf = no limit, next to none and full; the first step
 of a budget row measures the blocks and is not counted), --steps N (timed), --seq-len, --batch,
 --check-bytes (cross-check saved/block against saved_activation_bytes per block),
---threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine),
+--threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine), --interleaved R
+(speed from R rounds in which the modes take turns in one process: the fairest comparison on
+a shared machine; eager, CPU),
 --in-process (all modes in this process; peak RSS is then not per mode).
 """
 
@@ -74,6 +76,9 @@ def _bench_args(argv: list[str]):
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the runs")
     p.add_argument("--in-process", action="store_true", help="run every mode in this process")
+    p.add_argument("--interleaved", type=int, default=0, metavar="R",
+                   help="speed columns from R interleaved rounds of all modes in one process (CPU, eager) "
+                        "instead of each mode's own process")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
 
@@ -227,6 +232,30 @@ def run_mode(mode: str, opts, cfg) -> dict:
             "device": device.type, "compiled": compiled}
 
 
+def interleaved_speed(modes: list[str], opts, cfg) -> dict[str, tuple[float, float]]:
+    """Median tokens/s and tokens per CPU-second of each mode, measured in this process with
+    the modes taking turns, one fwd+bwd step each, for `opts.interleaved` rounds (the order
+    reversed every other round), so that the machine's drift hits every mode alike."""
+    import statistics
+    spec, args, batch, seq, _ = _setup(opts, cfg)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for mode in modes:
+        models[mode] = _build(spec, args, torch.device("cpu"), torch.float32)
+        apply_activation_checkpointing(models[mode], _ac_cfg(cfg.activation_checkpoint, mode), spec=spec)
+        _loss(models[mode], tokens).backward()  # warm-up (and the budget policy's measuring call)
+    walls: dict = {m: [] for m in modes}
+    cpus: dict = {m: [] for m in modes}
+    for r in range(opts.interleaved):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            models[mode].zero_grad(set_to_none=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            _loss(models[mode], tokens).backward()
+            walls[mode].append(time.perf_counter() - t0)
+            cpus[mode].append(time.process_time() - c0)
+    return {m: (batch * seq / statistics.median(walls[m]), batch * seq / statistics.median(cpus[m])) for m in modes}
+
+
 def _fmt_bytes(n) -> str:
     if n is None:
         return "n/a"
@@ -294,6 +323,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
         rows.append(json.loads(line[len("RESULT "):]))
+    if opts.interleaved:
+        speeds = interleaved_speed(modes, opts, cfg)
+        for r in rows:
+            r["tokens_per_s"], r["tokens_per_cpu_s"] = speeds[r["mode"]]
+        title += f"; speed: median of {opts.interleaved} interleaved rounds in one process"
     for r in rows:
         chk = r.get("saved_per_block_check")
         if chk is not None and abs(chk - r["saved_per_block"]) > 0.5:
