@@ -65,13 +65,23 @@ class ModelSpec:
     model_cls: ModelBuilder
     tensor_parallel_fn: TensorParallelPlan | None = None
     expert_parallel_fn: ExpertParallelPlan | None = None  # MoE models only
-    # Extra aten ops the op-level activation-checkpoint policy must always save.
-    sac_save_ops: frozenset = field(default_factory=frozenset)
-    # Module-name patterns whose matmuls are always recomputed (e.g. a MoE router gate).
-    sac_force_recompute_fqns: tuple[str, ...] = ()
+    # Activation-checkpoint mode -> the policy class this model uses for it, replacing the
+    # default of parallelisms/activation_checkpoint.py (a subclass or parameterisation of it,
+    # e.g. DeepSeek's MoE rules for "op"). Modes not listed use the default policy.
+    ac_policies: dict[str, Any] = field(default_factory=dict)
     state_dict_adapter: StateDictAdapterClass = None
     # Called after each optimizer step (e.g. MoE load-balance bias update).
     post_optimizer_step_fn: PostOptimizerStepHook | None = None
     # `model` may live on the meta device. Used by --dry-run, metrics (MFU) and the estimator;
     # returns {"params", "flops_per_token", optional "activated_params"}.
     summary_fn: SummaryFn | None = None
+
+    @property
+    def sac_save_ops(self) -> frozenset:
+        """The ops this model's op-level AC policy always saves on top of the defaults."""
+        return frozenset(getattr(self.ac_policies.get("op"), "spec_save_ops", frozenset()))
+
+    @property
+    def sac_force_recompute_fqns(self) -> tuple[str, ...]:
+        """Module-name patterns whose matmuls this model's op-level AC policy recomputes."""
+        return tuple(getattr(self.ac_policies.get("op"), "spec_force_recompute_fqns", ()))

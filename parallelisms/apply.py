@@ -83,7 +83,7 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
             raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {spec.name} has no TP plan; "
                               "set it to 1")
         spec.tensor_parallel_fn(part, dims.mesh("tp"), cfg.parallelism)
-    save_ops = spec.sac_save_ops
+    save_ops: frozenset = frozenset()  # a plan's own ops that op-level AC must keep
     if dims.cp > 1:
         from parallelisms.context_parallel import CP_SAVE_OPS, apply_context_parallel
 
@@ -97,8 +97,7 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.compile import apply_compile
 
-    apply_activation_checkpointing(part, cfg.activation_checkpoint, extra_save_ops=save_ops,
-                                   force_recompute_fqns=tuple(spec.sac_force_recompute_fqns),
+    apply_activation_checkpointing(part, cfg.activation_checkpoint, spec=spec, extra_save_ops=save_ops,
                                    compile_enabled=cfg.compile.enable)
     apply_compile(part, cfg.compile, cfg.activation_checkpoint)
     dp_mesh = dims.fsdp_mesh()

@@ -4,7 +4,7 @@
     python scripts/bench_activation_checkpoint.py --config llama_debug.toml [--section.key value ...]
     python scripts/bench_activation_checkpoint.py --block-8b            # one Llama 3 8B layer, seq 256, batch 1
 
-Prints one row per mode (none, full, selective, op; memory_budget too when
+Prints one row per mode (none, full, selective, op, budget; memory_budget too when
 --compile.enable true, and then every mode is compiled so the comparison holds
 compile fixed):
 
@@ -27,9 +27,13 @@ compile fixed):
   holds backward's transient buffers, and during a block's recompute that block's whole
   activations, so it falls less than saved/block suggests.
 
-Bench flags: --block-8b, --modes none,full,..., --steps N (timed), --seq-len, --batch,
+Bench flags: --block-8b, --modes none,full,..., --budgets 0,0.25,...,inf (rows of mode=budget
+with those budget_fraction values, inf = no limit, next to none and full; the first step
+of a budget row measures the blocks and is not counted), --steps N (timed), --seq-len, --batch,
 --check-bytes (cross-check saved/block against saved_activation_bytes per block),
---threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine),
+--threads N (torch threads; 1 gives steadier tok/cpu-s on a shared machine), --interleaved R
+(speed from R rounds in which the modes take turns in one process: the fairest comparison on
+a shared machine; eager, CPU),
 --in-process (all modes in this process; peak RSS is then not per mode).
 """
 
@@ -52,20 +56,19 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from trainer.memory import _hwm_bytes, _malloc_trim, _reset_hwm, _rss_bytes  # noqa: E402
-from parallelisms.activation_checkpoint import (  # noqa: E402
-    SavedActivationCounter,
-    apply_activation_checkpointing,
-    flop_counter,
-    saved_activation_bytes,
-)
+from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes  # noqa: E402
+from parallelisms.activation_checkpoint import apply_activation_checkpointing, unwrap_block  # noqa: E402
 
-EAGER_MODES = ("none", "full", "selective", "op")
+EAGER_MODES = ("none", "full", "selective", "op", "budget")
 
 
 def _bench_args(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-8b", action="store_true", help="one Llama 3 8B layer (seq 256, batch 1 unless given)")
     p.add_argument("--modes", default=None, help="comma-separated subset of the modes")
+    p.add_argument("--budgets", default=None,
+                   help="rows of mode=budget instead: comma-separated fractions of none's bytes (and inf), "
+                        "next to none and full, e.g. 0,0.1,0.25,0.5,0.75,1,inf")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 3; 1 with --block-8b)")
     p.add_argument("--check-bytes", action="store_true",
                    help="also count each block with saved_activation_bytes and warn on any difference")
@@ -73,6 +76,9 @@ def _bench_args(argv: list[str]):
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the runs")
     p.add_argument("--in-process", action="store_true", help="run every mode in this process")
+    p.add_argument("--interleaved", type=int, default=0, metavar="R",
+                   help="speed columns from R interleaved rounds of all modes in one process (CPU, eager) "
+                        "instead of each mode's own process")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
 
@@ -126,6 +132,17 @@ def _build(spec, args, device, dtype):
     return model.to(dtype)
 
 
+def _ac_cfg(base, mode: str):
+    """The AC config of a row: a mode, or `budget:F` (budget_fraction F of none's bytes;
+    `budget:inf` for no limit)."""
+    if not mode.startswith("budget:"):
+        return dataclasses.replace(base, mode=mode)
+    value = mode.split(":", 1)[1]
+    if value == "inf":
+        return dataclasses.replace(base, mode="budget", budget_mib=1e12)
+    return dataclasses.replace(base, mode="budget", budget_mib=None, budget_fraction=float(value))
+
+
 def _peak_rss_bytes() -> int:
     peak = _hwm_bytes()
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak
@@ -141,15 +158,18 @@ def run_mode(mode: str, opts, cfg) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     compiled = bool(cfg.compile.enable)
-    ac_cfg = dataclasses.replace(cfg.activation_checkpoint, mode=mode)
+    ac_cfg = _ac_cfg(cfg.activation_checkpoint, mode)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=g).to(device)
 
     model = _build(spec, args, device, dtype)
     head_only = _build(spec, dataclasses.replace(args, n_layers=0), device, dtype)
     n_layers = len(model.layers)
-    apply_activation_checkpointing(model, ac_cfg, extra_save_ops=spec.sac_save_ops,
-                                   force_recompute_fqns=spec.sac_force_recompute_fqns, compile_enabled=compiled)
+    apply_activation_checkpointing(model, ac_cfg, spec=spec, compile_enabled=compiled)
+
+    if ac_cfg.mode == "budget":  # its first call of each kind of block measures (and runs as full)
+        _loss(model, tokens).backward()
+        model.zero_grad(set_to_none=True)
 
     def forward_counted(m):
         exclude = list(m.parameters()) + list(m.buffers())
@@ -176,13 +196,11 @@ def run_mode(mode: str, opts, cfg) -> dict:
     per_block = (total - head) / max(n_layers, 1)
     check = None
     if opts.check_bytes and not compiled:  # cross-check with the per-block counter
-        from parallelisms.activation_checkpoint import unwrap_block
         ref = 0
         for key, block in model.layers.items():
             x = torch.randn(batch, seq, args.dim, device=device, dtype=dtype, requires_grad=True)
-            ref += saved_activation_bytes(unwrap_block(block), x, model.rope_cache[:seq], mode=mode, cfg=ac_cfg,
-                                          extra_save_ops=spec.sac_save_ops,
-                                          force_recompute_fqns=spec.sac_force_recompute_fqns, layer_id=int(key))
+            ref += saved_activation_bytes(unwrap_block(block), x, model.rope_cache[:seq], mode=ac_cfg.mode, cfg=ac_cfg,
+                                          spec=spec, layer_id=int(key))
         check = ref / max(n_layers, 1)
 
     # 3) Speed and peak memory: weights and grads are already allocated.
@@ -212,6 +230,30 @@ def run_mode(mode: str, opts, cfg) -> dict:
             "tokens_per_cpu_s": batch * seq / max(cpu, 1e-9),
             "peak": peak, "peak_over_base": peak - base_mem,
             "device": device.type, "compiled": compiled}
+
+
+def interleaved_speed(modes: list[str], opts, cfg) -> dict[str, tuple[float, float]]:
+    """Median tokens/s and tokens per CPU-second of each mode, measured in this process with
+    the modes taking turns, one fwd+bwd step each, for `opts.interleaved` rounds (the order
+    reversed every other round), so that the machine's drift hits every mode alike."""
+    import statistics
+    spec, args, batch, seq, _ = _setup(opts, cfg)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for mode in modes:
+        models[mode] = _build(spec, args, torch.device("cpu"), torch.float32)
+        apply_activation_checkpointing(models[mode], _ac_cfg(cfg.activation_checkpoint, mode), spec=spec)
+        _loss(models[mode], tokens).backward()  # warm-up (and the budget policy's measuring call)
+    walls: dict = {m: [] for m in modes}
+    cpus: dict = {m: [] for m in modes}
+    for r in range(opts.interleaved):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            models[mode].zero_grad(set_to_none=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            _loss(models[mode], tokens).backward()
+            walls[mode].append(time.perf_counter() - t0)
+            cpus[mode].append(time.process_time() - c0)
+    return {m: (batch * seq / statistics.median(walls[m]), batch * seq / statistics.median(cpus[m])) for m in modes}
 
 
 def _fmt_bytes(n) -> str:
@@ -257,9 +299,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if opts._worker:
         print("RESULT " + json.dumps(run_mode(opts._worker, opts, cfg)), flush=True)
         return []
-    modes = list(EAGER_MODES) + (["memory_budget"] if cfg.compile.enable else [])
+    # (budget is the eager memory budget: under compile, memory_budget is the one.)
+    modes = [m for m in EAGER_MODES if m != "budget"] + ["memory_budget"] if cfg.compile.enable else list(EAGER_MODES)
     if opts.modes:
         modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if opts.budgets:
+        modes = ["none", "full"] + [f"budget:{b.strip()}" for b in opts.budgets.split(",") if b.strip()]
     _, args, batch, seq, what = _setup(opts, cfg)
     title = (f"{what}: {args.n_layers} blocks, batch {batch}, seq {seq}, "
              f"compile {'on' if cfg.compile.enable else 'off'}, selective every "
@@ -278,6 +323,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
         rows.append(json.loads(line[len("RESULT "):]))
+    if opts.interleaved:
+        speeds = interleaved_speed(modes, opts, cfg)
+        for r in rows:
+            r["tokens_per_s"], r["tokens_per_cpu_s"] = speeds[r["mode"]]
+        title += f"; speed: median of {opts.interleaved} interleaved rounds in one process"
     for r in rows:
         chk = r.get("saved_per_block_check")
         if chk is not None and abs(chk - r["saved_per_block"]) > 0.5:

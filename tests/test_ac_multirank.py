@@ -77,9 +77,7 @@ def _worker(rank: int, port: int, out_path: str):
         results = {}
         for name, mode in CASES:
             model, spec = _build(name)
-            apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode),
-                                           extra_save_ops=spec.sac_save_ops,
-                                           force_recompute_fqns=spec.sac_force_recompute_fqns)
+            apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode), spec=spec)
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -122,3 +120,81 @@ def test_every_mode_under_fsdp2_matches_one_process(tmp_path):
                 torch.testing.assert_close(g_got[k], g_ref[k], rtol=0, atol=1e-5, msg=f"{name} {mode} step {step} {k}")
     # And the modes agree with each other (the checkpointing changed nothing).
     assert set(got) == set(CASES)
+
+
+# --------------------------------------------------------------------------- 4 ranks: FSDP inside
+# a checkpointed block (EP 2 x FSDP 2) and sequence parallel (TP 2 x FSDP 2), through the trainer.
+
+DS = ["--model.name", "deepseek_v3", "--model.flavor", "ep_test", "--parallelism.expert_parallel_degree", "2"]
+LLAMA_TP = ["--model.name", "llama3", "--model.flavor", "debug_small", "--parallelism.tensor_parallel_degree", "2"]
+LOCAL_BATCH, SEQ = 2, 64
+DIST_CASES = {
+    "ep2_fsdp2_none": [*DS, "--activation_checkpoint.mode", "none"],
+    "ep2_fsdp2_op": [*DS, "--activation_checkpoint.mode", "op"],
+    "tp2_sp_none": [*LLAMA_TP, "--activation_checkpoint.mode", "none"],
+    "tp2_sp_op": [*LLAMA_TP, "--activation_checkpoint.mode", "op"],
+    "tp2_sp_op_keep_all_gathers": [*LLAMA_TP, "--activation_checkpoint.mode", "op",
+                                   "--activation_checkpoint.save_all_gathers", "true"],
+}
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    import json
+
+    from tests.helpers import torchrun
+
+    root = tmp_path_factory.mktemp("ac4")
+    common = ["--training.steps", "1", "--training.seq_len", str(SEQ), "--training.local_batch_size",
+              str(LOCAL_BATCH), "--training.dataset", "synthetic", "--training.mixed_precision_param", "float32",
+              "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"]
+    cases = [{"name": n, "args": [*common, "--job.dump_folder", str(root / n), *a]} for n, a in DIST_CASES.items()]
+    (root / "cases.json").write_text(json.dumps(cases))
+    torchrun(4, [str(root / "cases.json"), str(root / "out")], timeout=400, module="tests.ac_worker",
+             env={"AC_TRACE": "1"})
+    return {n: torch.load(root / "out" / f"{n}.pt", weights_only=False) for n in DIST_CASES}
+
+
+def _assert_same_run(got: dict, ref: dict) -> None:
+    assert got["losses"] == ref["losses"]
+    assert got["grads"].keys() == ref["grads"].keys()
+    for k in ref["grads"]:
+        assert torch.equal(got["grads"][k], ref["grads"][k]), k
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_op_never_keeps_fsdp_all_gather_inside_a_block(dist_runs):
+    """EP 2 x FSDP 2: the routed experts are an FSDP unit inside the checkpointed MoE block,
+    all-gathered there with the legacy `c10d._allgather_base_`. Op-level SAC must not keep
+    that output (the gathered experts would stay alive until backward)."""
+    op = dist_runs["ep2_fsdp2_op"]
+    gathered = op["expert_gather_numels"]
+    assert len(gathered) == 2 and min(gathered) == 4 * 3 * 64 * 32  # 4 local experts x (w1, w2, w3)
+    print("largest SAC-cached tensor", max(op["kept_numels"]), "gathered experts", gathered,
+          "SAC cache bytes", op["sac_cache"])
+    assert max(op["kept_numels"]) < min(gathered)
+    assert not any("SAVE c10d." in line for line in op["trace"])  # (runtime ops bypass the policy)
+    # DeepSeek's MoE rules under EP: the experts' down GEMM and its un-regrouping are not
+    # recomputed (the kept combine all-to-all is all that reads them); numerics below.
+    for op_name in ("aten._grouped_mm.default", "aten.index_select.default"):
+        assert any(line.startswith(f"AC_TRACE SKIP {op_name}") for line in op["trace"]), op_name
+    _assert_same_run(op, dist_runs["ep2_fsdp2_none"])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_op_under_sequence_parallel_recomputes_all_gathers(dist_runs):
+    """TP 2 with SP: by default op-level SAC does not keep the two full-sequence all-gather
+    outputs of each block ([local batch, seq, dim] each); with save_all_gathers it does."""
+    default, keep = dist_runs["tp2_sp_op"], dist_runs["tp2_sp_op_keep_all_gathers"]
+    n_layers, dim = 3, 64
+    print("SAC cache bytes: default", default["sac_cache"], "keeping all-gathers", keep["sac_cache"])
+    assert keep["sac_cache"] - default["sac_cache"] == 2 * n_layers * LOCAL_BATCH * SEQ * dim * 4
+    assert "AC_TRACE RECOMPUTE _c10d_functional.all_gather_into_tensor.default" in default["trace"]
+    assert "AC_TRACE SAVE _c10d_functional.all_gather_into_tensor.default" in keep["trace"]
+    assert "AC_TRACE SAVE _c10d_functional.reduce_scatter_tensor.default" in default["trace"]
+    _assert_same_run(default, dist_runs["tp2_sp_none"])
+    _assert_same_run(keep, dist_runs["tp2_sp_none"])

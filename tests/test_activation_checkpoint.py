@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3
-from parallelisms import activation_checkpoint as ac
+from parallelisms import ac_ops, ac_sac, ac_trace
 from parallelisms.activation_checkpoint import (
     MATMUL_OPS,
     ActivationCheckpointConfig,
@@ -106,7 +106,7 @@ def test_apply_rejects_bad_configs_built_in_code():
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="sometimes"))
     with pytest.raises(ValueError, match="minimum 1"):
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="selective", selective_layer_interval=0))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="above the maximum 1.0"):
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="memory_budget", memory_budget=2.0),
                                        compile_enabled=True)
     with pytest.raises(TypeError, match="model.layers"):
@@ -221,7 +221,7 @@ def test_spec_listed_matmul_is_saved_not_alternated():
 
 
 def _lookup(ns, name):
-    return ac._lookup(ns, name)
+    return ac_ops.lookup(ns, name)
 
 
 def test_save_set_contents():
@@ -233,12 +233,12 @@ def test_save_set_contents():
         must.append(_lookup("_c10d_functional", name))
     for op in must:
         assert op is not None and op in save, op
-    hop = ac._compiled_region_hop()
+    hop = ac_ops.compiled_region_hop()
     assert hop is not None and hop in save
     assert not (MATMUL_OPS & save)
     # Seeded from the partitioner: everything it lists (bar the alternating matmuls) is saved.
     from torch._functorch.partitioners import get_default_op_list
-    assert {ac._key(o) for o in get_default_op_list().compute_intensive_ops} - MATMUL_OPS <= save
+    assert {ac_ops.op_key(o) for o in get_default_op_list().compute_intensive_ops} - MATMUL_OPS <= save
     # A model spec can add ops.
     assert aten.sort in default_save_ops({aten.sort.stable})
 
@@ -250,8 +250,8 @@ def test_save_set_falls_back_when_partitioner_api_is_missing(monkeypatch):
         raise AttributeError("moved")
 
     monkeypatch.setattr(partitioners, "get_default_op_list", broken)
-    assert ac._partitioner_compute_ops() == set()
-    fallback = ac._base_save_ops.__wrapped__(True)
+    assert ac_ops.partitioner_compute_ops() == set()
+    fallback = ac_ops._base_save_ops.__wrapped__(True)
     assert aten._scaled_dot_product_flash_attention_for_cpu in fallback and aten.addmm in fallback
     assert aten.mm not in fallback
 
@@ -440,8 +440,7 @@ def test_moe_blocks_bitwise_with_spec_ops():
                for _ in range(2)]
     ref = _run_mode(base, "none", batches)
     for mode in ("full", "op"):
-        got = _run_mode(base, mode, batches, extra_save_ops=spec.sac_save_ops,
-                        force_recompute_fqns=spec.sac_force_recompute_fqns)
+        got = _run_mode(base, mode, batches, spec=spec)
         _assert_bitwise(ref, got)
 
 
@@ -462,14 +461,16 @@ def test_saved_bytes_match_analytic_counts(flavor):
     tokens = x.shape[0] * x.shape[1]
     block = model.layers["0"]
     d, f, h, kv = a.dim, a.ffn_hidden_dim, a.n_heads, a.kv_heads * a.head_dim
-    # none: x, x*rsqrt, normed (attn and ffn each), q, k, v, SDPA out (which wo reads as a
-    # view), h, the SwiGLU's 4 [ffn] tensors, 2 rsqrt columns and SDPA's logsumexp.
-    assert saved_activation_bytes(block, x, rope, mode="none") == (10 * d + 4 * f + 2 + h) * tokens * 4
+    # none: x, x*rsqrt, normed (attn and ffn each), q, k and v (k, v at the KV heads: SDPA's
+    # enable_gqa broadcasts them), SDPA out (which wo reads as a view), h, the SwiGLU's 4
+    # [ffn] tensors, 2 rsqrt columns and SDPA's logsumexp.
+    assert saved_activation_bytes(block, x, rope, mode="none") == (8 * d + 2 * kv + 4 * f + 2 + h) * tokens * 4
     # full: only the block input.
     assert saved_activation_bytes(block, x, rope, mode="full") == d * tokens * 4
-    # op: the input + odd matmuls (wq, wv, w1, w2) + SDPA out and logsumexp.
+    # op: the input + odd matmuls (wq, wv, w1; not w2, the block's last matmul, whose output
+    # the early-stopping recompute never reads) + SDPA out and logsumexp.
     total, parts = saved_activation_bytes(block, x, rope, mode="op", breakdown=True)
-    assert parts == {"autograd": d * tokens * 4, "sac_cache": (3 * d + kv + f + h) * tokens * 4}
+    assert parts == {"autograd": d * tokens * 4, "sac_cache": (2 * d + kv + f + h) * tokens * 4}
     assert total == sum(parts.values())
     # selective follows the layer id.
     cfg = ActivationCheckpointConfig(selective_layer_interval=2)
@@ -514,7 +515,7 @@ def test_force_recompute_saves_less():
     # save, recompute, save -- the same saved shapes as before minus wq and wv outputs.
     assert plain - forced == (a.dim + a.kv_heads * a.head_dim) * tokens * 4
     # The temporary registration for this count is removed (other tests' models may still be registered).
-    assert not any(m in ac._FORCED_MODULES for m in block.modules())
+    assert not any(m in ac_sac._FORCED_MODULES for m in block.modules())
 
 
 # --------------------------------------------------------------------------- costs
@@ -649,11 +650,11 @@ def test_trace_only_on_rank_zero(monkeypatch):
     monkeypatch.setenv("AC_TRACE", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    assert ac._trace_enabled() is False
+    assert ac_trace.trace_enabled() is False
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    assert ac._trace_enabled() is True
+    assert ac_trace.trace_enabled() is True
     monkeypatch.setenv("AC_TRACE", "0")
-    assert ac._trace_enabled() is False
+    assert ac_trace.trace_enabled() is False
 
 
 def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):
@@ -686,3 +687,35 @@ def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):
     untouched = _llama()
     apply_compile(untouched, CompileConfig(enable=False), ActivationCheckpointConfig(mode="full"))
     assert all(b._compiled_call_impl is None for b in untouched.layers.values())
+
+
+def test_moe_policy_decisions():
+    """DeepSeek's op-level rules on a MoE block: the gate GEMM kept, the up GEMM recomputed,
+    the down GEMM kept (1 rank) or, under EP, skipped with the index_select after it (the
+    kept combine all-to-all is all that reads them); bmm recomputed; dense blocks unchanged."""
+    from models.deepseek_v3.ac import MoEOpSAC
+    from parallelisms.ac_sac import OpSACPolicy
+    rules = MoEOpSAC(ActivationCheckpointConfig(mode="op"))
+    g, ix = aten._grouped_mm.default, aten.index_select.default
+    ops = [ix, g, g, g, ix, aten.bmm.default, aten.topk.default, g, g, g, ix]
+    S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+
+    def run(info):
+        call = OpSACPolicy(rules.save_ops(), explicit_save_ops=rules.explicit_save_ops(), rules=rules, info=info)
+        verdicts = []
+        for op in ops:  # (what OpSACPolicy.__call__ does before deciding: the op's invocation index)
+            call.index = call.op_index[False][op]
+            call.op_index[False][op] += 1
+            policy, verdict, _ = call.decide(op, False)
+            verdicts.append((policy, verdict))
+        return verdicts
+
+    assert run({"moe": True, "ep": True}) == [
+        (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP"), (R, "RECOMPUTE"), (S, "SAVE"),
+        (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP")]
+    assert run({"moe": True, "ep": False}) == [
+        (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "RECOMPUTE"), (S, "SAVE"),
+        (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE")]
+    # A dense block: the default rules (grouped GEMMs alternate like every matmul, bmm is saved).
+    assert run({"moe": False})[1:4] == [(S, "ALTERNATE"), (R, "ALTERNATE"), (S, "ALTERNATE")]
+    assert run({"moe": False})[5] == (S, "SAVE")

@@ -173,7 +173,8 @@ def global_rank() -> int:
 # Every environment variable the code reads, with what it does. Config belongs in TOML;
 # these are for diagnostics, launchers and tests. `README.md` lists them.
 ENV_KNOBS: dict[str, str] = {
-    "AC_TRACE": "1 logs each distinct op's activation-checkpointing verdict once (SAVE/RECOMPUTE/ALTERNATE), rank 0.",
+    "AC_TRACE": "1 logs each distinct op's activation-checkpointing verdict once (SAVE/RECOMPUTE/ALTERNATE), and "
+                "the set mode=budget chose per kind of block (BUDGET), rank 0.",
     "TITAN_CHECK_WORLD_SIZE": "set by run_train.sh for `trainer.launch --check-config`: the layout is checked "
                               "against this world size before torchrun starts.",
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",

@@ -1,28 +1,13 @@
 """DeepSeek V3: the spec the trainer sees."""
 
-import torch
-
 from models.common.moe import (MoE, MoEArgs, expert_load_metrics, moe_aux_loss, moe_layer_ids,
                                update_moe_load_balance_bias)
+from models.deepseek_v3.ac import AC_POLICIES
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from models.deepseek_v3.model import DeepSeekV3, count_params, interleaved_to_half_perm
 from models.deepseek_v3.parallelize import expert_parallel_fn, parallelize_deepseek
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from models.spec import ModelSpec
-
-
-def _sac_save_ops() -> frozenset:
-    """Ops the op-level SAC policy must keep for MoE blocks: the routing decision (topk,
-    and the stable sort that permutes tokens) so that a recompute cannot route
-    differently, and EP's all-to-all (dispatch, combine and the counts exchange), so that
-    the recompute sends nothing. The grouped expert GEMMs are not listed: like every
-    matmul they alternate between saved and recomputed (listing them would save them all)."""
-    ops = [torch.ops.aten.topk.default, torch.ops.aten.sort.stable]
-    try:
-        ops.append(torch.ops._c10d_functional.all_to_all_single.default)
-    except (AttributeError, RuntimeError):
-        pass
-    return frozenset(ops)
 
 
 def post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True) -> dict[str, float]:
@@ -52,8 +37,7 @@ spec = ModelSpec(
     model_cls=DeepSeekV3,
     tensor_parallel_fn=parallelize_deepseek,
     expert_parallel_fn=expert_parallel_fn,
-    sac_save_ops=_sac_save_ops(),
-    sac_force_recompute_fqns=("*router.gate*",),
+    ac_policies=AC_POLICIES,
     post_optimizer_step_fn=post_optimizer_step,
     summary_fn=summarize,
     state_dict_adapter=DeepSeekV3StateDictAdapter,

@@ -1,0 +1,177 @@
+"""The eager memory-budget SAC (`activation_checkpoint.mode = "budget"`): the knapsack, the
+measurement of a block, saved bytes within the budget, recompute FLOPs within 5% of the
+brute-force optimum, bitwise numerics against `none`, AC_TRACE and config validation.
+
+Single process, fp32 on CPU. Blocks: one Llama debug_small block (8 candidate ops) and one
+tiny DeepSeek MoE block (MLA, routed and shared experts; under 20 candidates).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from parallelisms.ac_budget import BudgetSAC, solve_knapsack
+from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes
+from parallelisms.ac_trace import reset_ac_trace
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig, policy_for
+from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _tiny_deepseek
+from trainer.config import load_config
+from trainer.configurable import ConfigError
+
+
+def test_knapsack_is_exact_on_a_known_instance_and_never_over_capacity():
+    items = [(5, 10), (4, 40), (6, 30), (3, 50)]
+    assert solve_knapsack(items, 10) == [1, 3]  # 4 + 3 <= 10, value 90 (brute force: best)
+    assert solve_knapsack(items, 0) == []
+    assert solve_knapsack([(3, 0), (2, 5)], 5) == [1]  # value-0 items are never taken
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        items = [(int(torch.randint(1, 10_000, (1,), generator=g)) * 7, int(torch.randint(0, 1000, (1,), generator=g)))
+                 for _ in range(n)]
+        cap = int(torch.randint(0, 40_000, (1,), generator=g))
+        got = solve_knapsack(items, cap, buckets=256)  # coarse grid: rounding, never over
+        assert sum(items[i][0] for i in got) <= cap
+        best = max(sum(items[i][1] for i in s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
+                   if sum(items[i][0] for i in s) <= cap)
+        assert sum(items[i][1] for i in got) >= 0.95 * best
+        assert sum(items[i][1] for i in solve_knapsack(items, cap)) == best  # fine grid: exact
+
+
+def _block(which: str):
+    model = _llama("debug_small") if which == "llama" else _tiny_deepseek()
+    block = model.layers["1"]
+    torch.manual_seed(5)
+    x = torch.randn(2, 16, model.args.dim, requires_grad=True)
+    return block, x, model.rope_cache[:16]
+
+
+def _spec(which: str):
+    from models import MODEL_SPECS
+    return MODEL_SPECS["llama3" if which == "llama" else "deepseek_v3"]
+
+
+def _backward_flops(block, x, rope, ckpt):
+    with flop_counter() as fwd:
+        out = block(x, rope) if ckpt is None else checkpoint(block, x, rope, use_reentrant=False, **ckpt)
+    with flop_counter() as bwd:
+        out.backward(torch.ones_like(out))
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+@pytest.mark.parametrize("which", ["llama", "deepseek"])
+def test_budget_fits_and_is_within_5_percent_of_brute_force(which):
+    block, x, rope = _block(which)
+    spec = _spec(which)
+    none_bytes = saved_activation_bytes(block, x, rope, mode="none")
+    _, none_bwd = _backward_flops(block, x, rope, None)
+    checked = 0
+    for fraction in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0):
+        cfg = ActivationCheckpointConfig(mode="budget", budget_fraction=fraction)
+        policy = policy_for(cfg, spec=spec)
+        assert isinstance(policy, BudgetSAC)
+        ckpt = {**policy.checkpoint_kwargs(block, prefix="layers.1"), "preserve_rng_state": False}
+        checkpoint(block, x, rope, use_reentrant=False, **ckpt)  # the measuring call (runs as full)
+        (calib,) = policy.calibrations.values()
+        (choice,) = policy.choices.values()
+        assert calib.none_bytes == none_bytes  # the calibration sees what `none` keeps, exactly
+        cands = calib.candidates
+        assert 0 < len(cands) <= 20
+        budget = int(fraction * none_bytes)
+        assert choice.budget == budget
+        exclude = list(block.parameters()) + list(block.buffers()) + [rope]
+        # (The flop counter's module hooks add view ops: it must see both passes.)
+        with SavedActivationCounter(exclude) as counter, flop_counter():
+            out = checkpoint(block, x, rope, use_reentrant=False, **ckpt)
+        with flop_counter() as bwd:
+            out.backward(torch.ones_like(out))
+        x.grad = None
+        recompute = bwd.get_total_flops() - none_bwd
+        floor = calib.input_bytes + calib.pinned_bytes
+        assert counter.total_bytes == choice.kept_bytes
+        assert recompute == choice.recompute_flops
+        if budget < floor:  # nothing can be kept beyond what every choice keeps
+            assert choice.keep == frozenset()
+            continue
+        assert counter.total_bytes <= budget
+        room = budget - floor
+        forced = sum(c.value for c in calib.forced)  # recomputed whatever is kept (the router gate)
+        assert (forced > 0) == (which == "deepseek")
+        optimum = forced + min(sum(c.value for c in cands) - sum(cands[i].value for i in s)
+                      for r in range(len(cands) + 1) for s in itertools.combinations(range(len(cands)), r)
+                      if sum(cands[i].nbytes for i in s) <= room)
+        print(f"{which} fraction {fraction}: kept {counter.total_bytes} of budget {budget} (none {none_bytes}); "
+              f"recompute {recompute} FLOPs, optimum {optimum}")
+        assert recompute <= 1.05 * optimum
+        checked += 1
+    assert checked >= 5
+
+
+def test_budget_full_range_on_llama_block():
+    """budget 0 keeps what full keeps; budget infinity recomputes no FLOPs (like none)."""
+    block, x, rope = _block("llama")
+    full = saved_activation_bytes(block, x, rope, mode="full")
+    none_bytes = saved_activation_bytes(block, x, rope, mode="none")
+    zero = saved_activation_bytes(block, x, rope, mode="budget", cfg=ActivationCheckpointConfig(budget_mib=0.0))
+    assert zero == full
+    policy = policy_for(ActivationCheckpointConfig(mode="budget", budget_mib=1e9))
+    ckpt = {**policy.checkpoint_kwargs(block, prefix="layers.1"), "preserve_rng_state": False}
+    checkpoint(block, x, rope, use_reentrant=False, **ckpt)
+    (choice,) = policy.choices.values()
+    assert choice.recompute_flops == 0 and full < choice.kept_bytes < none_bytes
+    _, none_bwd = _backward_flops(block, x, rope, None)
+    _, bwd = _backward_flops(block, x, rope, ckpt)
+    assert bwd == none_bwd
+
+
+@pytest.mark.parametrize("which", ["llama", "deepseek"])
+def test_budget_mode_is_bitwise_equal_to_none(which):
+    base = _llama("debug_small") if which == "llama" else _tiny_deepseek()
+    g = torch.Generator().manual_seed(3)
+    vocab = base.args.vocab_size
+    batches = [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
+               for _ in range(3)]
+    spec = _spec(which)
+    ref = _run_mode(base, "none", batches, spec=spec)
+    for cfg in ({"budget_fraction": 0.3}, {"budget_mib": 0.05}):
+        _assert_bitwise(ref, _run_mode(base, "budget", batches, spec=spec, cfg=cfg))
+
+
+def test_budget_trace_prints_the_chosen_set(monkeypatch, caplog):
+    monkeypatch.setenv("AC_TRACE", "1")
+    reset_ac_trace()
+    model = _llama("debug_small")
+    policy = policy_for(ActivationCheckpointConfig(mode="budget", budget_fraction=0.3))
+    policy.apply(model)
+    with caplog.at_level(logging.INFO, logger="ac"):
+        for _ in range(2):
+            model(torch.randint(0, 2048, (2, 16))).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AC_TRACE BUDGET")]
+    assert len(lines) == 1, lines  # one kind of block: measured and chosen once
+    (choice,) = policy.choices.values()
+    assert lines[0].startswith("AC_TRACE BUDGET layers.0: keeps ")
+    for op, index in choice.keep:
+        assert f"{op}#{index}" in lines[0]
+
+
+def test_budget_config():
+    cfg = load_config(["--activation_checkpoint.mode", "budget", "--activation_checkpoint.budget_mib", "64"])
+    assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.budget_mib) == ("budget", 64.0)
+    assert cfg.activation_checkpoint.budget_fraction == 0.5
+    for args, needle in ((["--activation_checkpoint.budget_fraction", "1.5"], "above the maximum 1.0"),
+                         (["--activation_checkpoint.budget_mib", "-1"], "below the minimum 0.0"),
+                         (["--activation_checkpoint.mode", "budget", "--compile.enable", "true"],
+                          "under compile.enable use mode memory_budget")):
+        with pytest.raises(ConfigError) as e:
+            load_config(args)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="memory_budget"):
+        policy_for(dataclasses.replace(ActivationCheckpointConfig(), mode="budget"), compile_enabled=True)
+    assert copy.deepcopy(cfg.activation_checkpoint).budget_mib == 64.0
