@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import field
@@ -78,14 +79,18 @@ def coerce(key: str, tp, value: Any, from_cli: bool) -> Any:
     if base is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
         if from_cli and isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(value, (int, float)):
+            raise bad
+        # nan passes every range check (nan < min is False), and inf means a typo or an
+        # overflow ("1e999"): neither is a setting.
+        if not math.isfinite(value):
+            raise ConfigError(f"config error: {key}: {value!r} is not a finite number; give a finite value")
+        return float(value)
     if base is str:
         if isinstance(value, str):
             return value

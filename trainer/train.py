@@ -27,6 +27,7 @@ from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
+from trainer.errors import report_user_error, run_entry_point
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger
@@ -314,10 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError) as e:
-        if global_rank() == 0:
-            print(str(e), file=sys.stderr)
         tdist.destroy()
-        return 2
+        return report_user_error(str(e))
     try:
         trainer.train()
     finally:
@@ -326,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry_point(main))
