@@ -97,6 +97,8 @@ def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
 
     if cfg.enable or cfg.last_save_in_hf:
         check_writable_folder(checkpoint_folder(cfg, dump_folder), "checkpoint.folder")
+    if cfg.enable:
+        choose_resume(checkpoint_folder(cfg, dump_folder), cfg.load_step)
     path = cfg.initial_load_path
     if path and not os.path.isdir(path):
         raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a folder; point it at a "
@@ -138,6 +140,36 @@ def _first_line(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]
     text = f"{type(e).__name__}: {e}"
     return text.strip().splitlines()[0][:240] if text.strip() else type(e).__name__
+
+
+def refusal(folder: Path, path: Path, why: str) -> CheckpointError:
+    steps = [s for s, _ in list_checkpoints(folder)]
+    return CheckpointError(f"checkpoint error: {path} {why}; delete it to resume from the one before, or pass "
+                           f"--checkpoint.load_step N (complete: {steps})")
+
+
+def choose_resume(folder: Path, load_step: int = -1) -> Path | None:
+    """The checkpoint a run resumes from: load_step's, else the newest full training state
+    (else the newest model-only one, e.g. a seed). A newer step-N folder that is not complete
+    (from names and sizes; no file is read) is refused by name, not skipped."""
+    every = files.step_folders(folder)
+    steps = [s for s, p in every if files.is_complete(p)]
+    if load_step >= 0:
+        match = [p for s, p in every if s == load_step]
+        if not match:
+            raise ConfigError(f"config error: checkpoint.load_step: no checkpoint step-{load_step} in "
+                              f"{folder}; complete ones: {steps}")
+        if not files.is_complete(match[0]):
+            raise ConfigError(f"config error: checkpoint.load_step: {match[0]} is not a complete checkpoint "
+                              f"({files.incomplete_reason(match[0])}); complete ones: {steps}")
+        return match[0]
+    complete = [(s, p) for s, p in every if files.is_complete(p)]
+    full = [(s, p) for s, p in complete if files.kind_of(p) == "full"]
+    newest_step, newest = (full or complete or [(-1, None)])[-1]
+    broken = [p for s, p in every if s > newest_step and not files.is_complete(p)]
+    if broken:
+        raise refusal(folder, broken[-1], f"is not a complete checkpoint: {files.incomplete_reason(broken[-1])}")
+    return newest
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -366,33 +398,10 @@ class Checkpointer:
 
     # ---- load ----
     def resume_path(self) -> Path | None:
-        """The newest full training state (else the newest model-only one, e.g. a seed), or
-        checkpoint.load_step's. A newer step-N folder that is not complete is refused by name."""
-        every = files.step_folders(self.folder)
-        steps = [s for s, p in every if files.is_complete(p)]
-        if self.cfg.load_step >= 0:
-            match = [p for s, p in every if s == self.cfg.load_step]
-            if not match:
-                raise ConfigError(f"config error: checkpoint.load_step: no checkpoint step-{self.cfg.load_step} in "
-                                  f"{self.folder}; complete ones: {steps}")
-            if not files.is_complete(match[0]):
-                raise ConfigError(f"config error: checkpoint.load_step: {match[0]} is not a complete checkpoint "
-                                  f"({files.incomplete_reason(match[0])}); complete ones: {steps}")
-            return match[0]
-        if not every:
-            return None
-        complete = [(s, p) for s, p in every if files.is_complete(p)]
-        full = [(s, p) for s, p in complete if files.kind_of(p) == "full"]
-        chosen = (full or complete or [(-1, None)])[-1]
-        broken = [p for s, p in every if s > chosen[0] and not files.is_complete(p)]
-        if broken:
-            raise self._refuse(broken[-1], f"is not a complete checkpoint: {files.incomplete_reason(broken[-1])}")
-        return chosen[1]
+        return choose_resume(self.folder, self.cfg.load_step)
 
     def _refuse(self, path: Path, why: str) -> CheckpointError:
-        steps = [s for s, _ in list_checkpoints(self.folder)]
-        return CheckpointError(f"checkpoint error: {path} {why}; delete it to resume from the one before, or pass "
-                               f"--checkpoint.load_step N (complete: {steps})")
+        return refusal(self.folder, path, why)
 
     def _verify(self, path: Path) -> None:
         """Collective: each rank checks its share of the files against the manifest."""
