@@ -50,7 +50,9 @@ CRASH_ENV = "TITAN_CHECKPOINT_CRASH_AT"
 
 def crash_point(name: str, step: int) -> None:
     """Test hook: SIGKILL this process at `name` when TITAN_CHECKPOINT_CRASH_AT asks for it."""
-    want = os.environ.get(CRASH_ENV, "")
+    from trainer.configurable import env_value
+
+    want = env_value(CRASH_ENV)
     if not want:
         return
     point, _, at = want.partition("@")

@@ -64,10 +64,12 @@ def _write_error_file(message: str, *, user_error: bool, callstack: str = "") ->
 
 def report_user_error(message: str) -> int:
     """Prints (rank 0) or hands to the launcher agent the one-line `message`; returns the exit code."""
+    from trainer.configurable import env_flag, global_rank
+
     message = " ".join(str(message).split("\n"))
-    if os.environ.get(AGENT_ENV) == "1" and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if env_flag(AGENT_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         _write_error_file(message, user_error=True)
-    elif int(os.environ.get("RANK", "0")) == 0:
+    elif global_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
 

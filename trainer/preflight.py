@@ -22,7 +22,6 @@ script needs no other Python start-up: NPROC defaults to the local GPU count, or
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 from trainer.configurable import ConfigError
@@ -36,20 +35,24 @@ def implied_world_size(p) -> int:
     return p.data_parallel_replicate_degree * dp_shard * p.context_parallel_degree * tp * p.pipeline_parallel_degree
 
 
-def check_layout(cfg, world_size: int):
-    """The layout against a world size: degrees, model shape, batch; returns the ParallelDims."""
-    from models import get_model_spec
+def batch_layout(training, dp_degree: int) -> tuple[int, int]:
+    """(gradient-accumulation steps, global batch) for a data-parallel degree; the one check of
+    training.global_batch_size, run by the pre-launch check and by the Trainer."""
+    per_step = training.local_batch_size * dp_degree
+    global_bs = training.global_batch_size if training.global_batch_size > 0 else per_step
+    if global_bs % per_step != 0:
+        raise ConfigError(
+            f"config error: training.global_batch_size: {global_bs} is not a multiple of local_batch_size "
+            f"({training.local_batch_size}) x data-parallel degree ({dp_degree}) = {per_step}; use a multiple")
+    return global_bs // per_step, global_bs
+
+
+def layout_for(cfg, world_size: int):
+    """The layout of a validated config on `world_size` ranks (degrees and batch); the ParallelDims."""
     from parallelisms.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
-    dims.validate_model(args, cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel and dims.tp_enabled)
-    t = cfg.training
-    per_step = t.local_batch_size * dims.dp_degree
-    if t.global_batch_size > 0 and t.global_batch_size % per_step != 0:
-        raise ConfigError(
-            f"config error: training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size "
-            f"({t.local_batch_size}) x data-parallel degree ({dims.dp_degree}) = {per_step}; use a multiple")
+    batch_layout(cfg.training, dims.dp_degree)
     return dims
 
 
@@ -77,7 +80,9 @@ def check_runtime(cfg) -> None:
 
 
 def _world_from_env() -> int | None:
-    raw = os.environ.get("TITAN_CHECK_WORLD_SIZE", "").strip()
+    from trainer.configurable import env_value
+
+    raw = env_value("TITAN_CHECK_WORLD_SIZE").strip()
     if not raw:
         return None
     if not raw.isdigit() or int(raw) < 1:
@@ -90,13 +95,13 @@ def check_config(argv: list[str], shell: bool) -> int:
 
     from trainer.config import load_config
 
-    cfg = load_config(argv)
     has_cuda = torch.cuda.is_available()
     world = _world_from_env()
     if shell and world is None:
         world = torch.cuda.device_count() if has_cuda else 1
+    cfg = load_config(argv, world_size=world)
     if world is not None:
-        check_layout(cfg, world)
+        layout_for(cfg, world)
     check_runtime(cfg)
     if shell:
         print(f"NPROC={world}\nHAS_CUDA={int(has_cuda)}", flush=True)
@@ -116,7 +121,7 @@ def dry_run(argv: list[str]) -> int:
     source = "from NGPU/NPROC"
     if world is None:
         world, source = implied_world_size(cfg.parallelism), "implied by the config; NGPU=N checks another"
-    dims = check_layout(cfg, world)
+    dims = layout_for(cfg, world)
     print_model_summary(cfg)
     print(describe_layout(dims, source), flush=True)
     return 0

@@ -34,6 +34,7 @@ from trainer.metrics import MetricsLogger
 from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
+from trainer.preflight import batch_layout
 from trainer.profiling import MemorySnapshotter, maybe_profile
 from trainer.validation import build_validator, training_holdout
 
@@ -92,14 +93,7 @@ class Trainer:
 
         # ---- batch layout ----
         self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
-        per_step_local = t.local_batch_size * self.dp_degree
-        global_bs = t.global_batch_size if t.global_batch_size > 0 else per_step_local
-        if global_bs % per_step_local != 0:
-            raise ConfigError(
-                f"config error: training.global_batch_size: {global_bs} is not a multiple of local_batch_size "
-                f"({t.local_batch_size}) x data-parallel degree ({self.dp_degree}) = {per_step_local}; use a multiple")
-        self.grad_accum_steps = global_bs // per_step_local
-        self.global_batch_size = global_bs
+        self.grad_accum_steps, self.global_batch_size = batch_layout(t, self.dp_degree)
 
         # ---- data ----
         from trainer.data import build_dataloader
