@@ -68,6 +68,8 @@ class CheckpointConfig:
     export_dtype: str = opt("float32", "dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "Initialise the model in one process, save it as step-0 and exit. "
                                        "Runs on any layout that then start from it begin with identical weights.")
+    timeout_seconds: int = opt(1800, "Collective timeout while a checkpoint is saved or committed (after step 1 "
+                               "the others drop to comm.train_timeout_seconds, too short for a large save).", min=1)
     verify_on_load: bool = opt(True, "Check every file against the CRC32 manifest written at save before loading "
                                "(each rank reads its share once; see scripts/bench_checkpoint.py for the cost).")
 
@@ -211,7 +213,12 @@ class Checkpointer:
         # Async saves run collectives from a background thread; give them their own group.
         self._async_pg = None
         if cfg.enable and cfg.async_mode == "async" and dist.is_initialized():
-            self._async_pg = dist.new_group(backend="gloo")
+            import datetime
+
+            from trainer.distributed import exempt_from_train_timeout
+
+            self._async_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
+            exempt_from_train_timeout(self._async_pg)
 
     # ---- state ----
     def _model_state(self) -> dict[str, Any]:
@@ -255,12 +262,18 @@ class Checkpointer:
     def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
         """Saves step `step`. A second call for a step already saved (a preemption right after
         an interval save) only finishes that save."""
+        from trainer.distributed import collective_timeout
+
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._save(step, last_step=last_step, force_sync=force_sync)
+
+    def _save(self, step: int, *, last_step: bool, force_sync: bool) -> None:
         if last_step and self.cfg.last_save_in_hf:
             self.save_hf(step)
         if not self.cfg.enable:
             return
         if last_step and self.cfg.last_save_model_only:
-            return self.save_model_only(step)
+            return self._save_model_only(step)
         if step == self._saved_step:
             return self.wait()
         self.wait()
@@ -278,6 +291,12 @@ class Checkpointer:
 
     def save_model_only(self, step: int) -> None:
         """Writes step-N with model weights only (a seed checkpoint or an export)."""
+        from trainer.distributed import collective_timeout
+
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._save_model_only(step)
+
+    def _save_model_only(self, step: int) -> None:
         self.wait()
         tmp, final = self._begin(step)
         self._write({"model": self._export_model_state()}, tmp, step)
@@ -361,6 +380,12 @@ class Checkpointer:
 
     def commit_pending(self) -> None:
         """Collective: commits the pending async save; call when every rank's write has finished."""
+        from trainer.distributed import collective_timeout
+
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._commit_pending()
+
+    def _commit_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -371,12 +396,13 @@ class Checkpointer:
         self._commit(pending.tmp, pending.final, pending.step, "full", result)
         logger.info(f"checkpoint step-{pending.step} committed (async)")
 
-    def step_boundary(self, preemption, device: torch.device) -> bool:
+    def step_boundary(self, preemption, device: torch.device, step: int) -> bool:
         """Once per step, one all-reduce: whether any rank was asked to stop, and whether every
         rank's async write is done, in which case it is committed now. Returns `stop`."""
         stop, all_done = preemption.step_flags(device, busy=self.has_pending() and not self.write_finished())
         if self._pending is not None and all_done:
             self.commit_pending()
+        files.crash_point("step_end", step)
         return stop
 
     def wait(self) -> None:

@@ -27,7 +27,8 @@ cost per GB.
 Crash points for tests: TITAN_CHECKPOINT_CRASH_AT=<point>[@<step>] SIGKILLs the process at
 `async_write` (inside the background write, data written but not its metadata),
 `after_write` (every rank done, nothing committed), `before_rename` (manifest written) or
-`after_aside` (old step-N renamed aside, new one not yet in).
+`after_aside` (old step-N renamed aside, new one not yet in), or at the end of a step,
+after the step-boundary commit (`step_end`).
 """
 
 from __future__ import annotations

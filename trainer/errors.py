@@ -33,8 +33,9 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from models.hf_config import HFConfigError
     from trainer.checkpoint import CheckpointError
     from trainer.configurable import ConfigError
+    from trainer.step_guard import TrainingDiverged
 
-    return ConfigError, CheckpointError, HFConfigError
+    return ConfigError, CheckpointError, HFConfigError, TrainingDiverged
 
 
 def disk_error_message(e: OSError, what: str) -> str | None:
