@@ -2,8 +2,8 @@
 that names the field or file, no traceback, no torchrun failure report.
 
 Most cases stop in the pre-launch check (one Python start-up, ~3 s); the ones only a worker
-can find (data content, checkpoint bytes, HF weights) go through torchrun with the tiny
-model (~10 s). Cases run two at a time. The table at the top is the list of bad inputs
+can find (data content, checkpoint bytes, HF weights, a diverging run) go through torchrun
+with the tiny model (~10 s). Cases run two at a time. The table at the top is the list of bad inputs
 covered; `python -m pytest -q -s tests/test_bad_inputs.py` prints each case's line.
 """
 
@@ -38,7 +38,8 @@ PRE_LAUNCH = [
     ("positional argument", {}, ["steps"], "unexpected argument"),
     ("seq_len above the model's", {}, ["--training.seq_len", "99999999"], "training.seq_len"),
     ("unknown compile backend", {}, ["--compile.backend", "inductr"], "compile.backend"),
-    ("context parallel", {}, ["--parallelism.context_parallel_degree", "2"], "context_parallel_degree"),
+    ("context parallel chunks", {"NGPU": "2"}, ["--parallelism.context_parallel_degree", "2",
+                                                "--training.seq_len", "66"], "context_parallel_degree"),
     # config: TOML files
     ("TOML syntax", {}, ["--config", "{d}/syntax.toml"], "syntax.toml"),
     ("TOML unknown section", {}, ["--config", "{d}/section.toml"], "[trainig]"),
@@ -110,6 +111,8 @@ IN_WORKER = [
      "ck_flipped/step-2"),
     ("another flavor's checkpoint", {}, TINY + ["--model.flavor", "debug", "--checkpoint.enable", "true",
                                                 "--checkpoint.folder", "{d}/ck_good"], "another model or flavor"),
+    ("learning rate that diverges", {}, TINY + ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "1",
+                                                "--training.steps", "10"], "training.max_skipped_steps"),
     ("HF folder without weights", {}, TINY + ["--checkpoint.initial_load_path", "{d}/hf_empty",
                                               "--checkpoint.initial_load_in_hf", "true"], "hf_empty"),
 ]

@@ -65,6 +65,7 @@ README_COMMANDS = {
     "--checkpoint.enable true --job.dump_folder /shared/runs/llama8b": ("skip", "needs SLURM; tests/test_slurm.py"),
     "python -m pytest -q -s tests/test_parallel_layouts.py": ("skip", "part of the suite"),
     "python -m pytest -q -s tests/test_expert_parallel.py": ("skip", "part of the suite"),
+    "python -m pytest -q -s tests/test_context_parallel_train.py": ("skip", "part of the suite"),
     "python scripts/estimate_memory.py --config llama8b.toml": ("run", ""),
     "python scripts/estimate_memory.py --config llama8b.toml --table": ("run", ""),
     "python -m trainer.launch": ("skip", "the launcher alone, without a worker command; tests/test_launch_errors.py"),
