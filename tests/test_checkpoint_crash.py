@@ -167,3 +167,34 @@ def test_missing_metadata_is_refused_by_name_not_skipped(tmp_path):
     with pytest.raises(CheckpointError, match=r"step-4 is not a complete checkpoint.*load_step N \(complete: \[2\]\)"):
         run_in_process(TINY + ["--training.steps", "6", "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
     assert step2.is_dir()
+
+
+def test_dcp_errors_are_one_line_not_a_base_exception(tmp_path):
+    """A checkpoint from before manifests, truncated: DCP itself fails, with CheckpointException,
+    a BaseException that `except Exception` let through as a traceback."""
+    step2 = _save_tiny(tmp_path)
+    (step2 / MANIFEST).unlink()
+    shard = step2 / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 3)
+    with pytest.raises(CheckpointError, match=r"step-2 could not be loaded \(.*\); delete it") as e:
+        run_in_process(TINY + ["--training.steps", "4", "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
+    assert "\n" not in str(e.value)
+
+
+# ---- options that need another one: they work instead of being ignored
+def test_initial_load_path_works_without_checkpointing(tmp_path):
+    trained = _save_tiny(tmp_path / "a")  # weights after 2 steps, not the seed's
+    args = TINY + ["--training.steps", "1", "--checkpoint.initial_load_path", str(trained)]
+    loaded, _ = run_in_process(args + ["--job.dump_folder", str(tmp_path / "b")])
+    with_ckpt, _ = run_in_process(args + ["--checkpoint.enable", "--job.dump_folder", str(tmp_path / "c")])
+    fresh, _ = run_in_process(TINY + ["--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")])
+    assert loaded == with_ckpt and loaded != fresh  # before: silently started from fresh weights
+    assert not (tmp_path / "b" / "checkpoint").exists() or not list((tmp_path / "b" / "checkpoint").iterdir())
+
+
+def test_last_save_in_hf_works_without_checkpointing(tmp_path):
+    run_in_process(TINY + ["--training.steps", "1", "--checkpoint.last_save_in_hf", "--job.dump_folder",
+                           str(tmp_path)])
+    hf = tmp_path / "checkpoint" / "step-1-hf"
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoint")] == []  # no DCP checkpoint

@@ -18,6 +18,7 @@ names the folder and the way out: `--checkpoint.load_step N`, or delete it.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -40,7 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import checkpoint_files as files
+from trainer.checkpoint_files import CheckpointError, choose_resume, list_checkpoints, refusal  # noqa: F401
 from trainer.configurable import ConfigError, opt
+from trainer.distributed import collective_timeout, exempt_from_train_timeout
 
 logger = logging.getLogger("trainer")
 
@@ -85,10 +88,6 @@ class CheckpointConfig:
                               "Hugging Face folder to load); pass --checkpoint.initial_load_path <folder>")
 
 
-class CheckpointError(RuntimeError):
-    """An unreadable or mismatching checkpoint; one line naming the path and the fix."""
-
-
 def checkpoint_folder(cfg: CheckpointConfig, dump_folder: str) -> Path:
     return Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(dump_folder) / cfg.folder
 
@@ -108,11 +107,6 @@ def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
     if path and not cfg.initial_load_in_hf and not files.is_complete(Path(path)):
         raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a DCP checkpoint folder "
                           "(no .metadata); point it at a step-N folder, or set initial_load_in_hf for HF weights")
-
-
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Complete (committed) checkpoints, oldest first."""
-    return [(s, p) for s, p in files.step_folders(folder) if files.is_complete(p)]
 
 
 def _rank() -> int:
@@ -142,36 +136,6 @@ def _first_line(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]
     text = f"{type(e).__name__}: {e}"
     return text.strip().splitlines()[0][:240] if text.strip() else type(e).__name__
-
-
-def refusal(folder: Path, path: Path, why: str) -> CheckpointError:
-    steps = [s for s, _ in list_checkpoints(folder)]
-    return CheckpointError(f"checkpoint error: {path} {why}; delete it to resume from the one before, or pass "
-                           f"--checkpoint.load_step N (complete: {steps})")
-
-
-def choose_resume(folder: Path, load_step: int = -1) -> Path | None:
-    """The checkpoint a run resumes from: load_step's, else the newest full training state
-    (else the newest model-only one, e.g. a seed). A newer step-N folder that is not complete
-    (from names and sizes; no file is read) is refused by name, not skipped."""
-    every = files.step_folders(folder)
-    steps = [s for s, p in every if files.is_complete(p)]
-    if load_step >= 0:
-        match = [p for s, p in every if s == load_step]
-        if not match:
-            raise ConfigError(f"config error: checkpoint.load_step: no checkpoint step-{load_step} in "
-                              f"{folder}; complete ones: {steps}")
-        if not files.is_complete(match[0]):
-            raise ConfigError(f"config error: checkpoint.load_step: {match[0]} is not a complete checkpoint "
-                              f"({files.incomplete_reason(match[0])}); complete ones: {steps}")
-        return match[0]
-    complete = [(s, p) for s, p in every if files.is_complete(p)]
-    full = [(s, p) for s, p in complete if files.kind_of(p) == "full"]
-    newest_step, newest = (full or complete or [(-1, None)])[-1]
-    broken = [p for s, p in every if s > newest_step and not files.is_complete(p)]
-    if broken:
-        raise refusal(folder, broken[-1], f"is not a complete checkpoint: {files.incomplete_reason(broken[-1])}")
-    return newest
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -213,10 +177,6 @@ class Checkpointer:
         # Async saves run collectives from a background thread; give them their own group.
         self._async_pg = None
         if cfg.enable and cfg.async_mode == "async" and dist.is_initialized():
-            import datetime
-
-            from trainer.distributed import exempt_from_train_timeout
-
             self._async_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
             exempt_from_train_timeout(self._async_pg)
 
@@ -262,8 +222,6 @@ class Checkpointer:
     def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
         """Saves step `step`. A second call for a step already saved (a preemption right after
         an interval save) only finishes that save."""
-        from trainer.distributed import collective_timeout
-
         with collective_timeout(self.cfg.timeout_seconds):
             self._save(step, last_step=last_step, force_sync=force_sync)
 
@@ -291,8 +249,6 @@ class Checkpointer:
 
     def save_model_only(self, step: int) -> None:
         """Writes step-N with model weights only (a seed checkpoint or an export)."""
-        from trainer.distributed import collective_timeout
-
         with collective_timeout(self.cfg.timeout_seconds):
             self._save_model_only(step)
 
@@ -380,8 +336,6 @@ class Checkpointer:
 
     def commit_pending(self) -> None:
         """Collective: commits the pending async save; call when every rank's write has finished."""
-        from trainer.distributed import collective_timeout
-
         with collective_timeout(self.cfg.timeout_seconds):
             self._commit_pending()
 

@@ -43,6 +43,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trainer.configurable import ConfigError
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP, OLD = ".tmp", ".old"
 MANIFEST = "manifest.json"
@@ -60,6 +62,10 @@ def crash_point(name: str, step: int) -> None:
     point, _, at = want.partition("@")
     if point == name and (not at or int(at) == step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CheckpointError(RuntimeError):
+    """An unreadable or mismatching checkpoint; one line naming the path and the fix."""
 
 
 # ---- checksums ----
@@ -211,3 +217,39 @@ def recover(folder: Path) -> list[str]:
                 os.replace(p, final)
                 notes.append(f"{final.name}: restored the copy set aside by an interrupted replace")
     return notes
+
+
+# ---- which checkpoint a run resumes from ----
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """Complete (committed) checkpoints, oldest first."""
+    return [(s, p) for s, p in step_folders(folder) if is_complete(p)]
+
+
+def refusal(folder: Path, path: Path, why: str) -> CheckpointError:
+    steps = [s for s, _ in list_checkpoints(folder)]
+    return CheckpointError(f"checkpoint error: {path} {why}; delete it to resume from the one before, or pass "
+                           f"--checkpoint.load_step N (complete: {steps})")
+
+
+def choose_resume(folder: Path, load_step: int = -1) -> Path | None:
+    """The checkpoint a run resumes from: load_step's, else the newest full training state
+    (else the newest model-only one, e.g. a seed). A newer step-N folder that is not complete
+    (from names and sizes; no file is read) is refused by name, not skipped."""
+    every = step_folders(folder)
+    steps = [s for s, p in every if is_complete(p)]
+    if load_step >= 0:
+        match = [p for s, p in every if s == load_step]
+        if not match:
+            raise ConfigError(f"config error: checkpoint.load_step: no checkpoint step-{load_step} in "
+                              f"{folder}; complete ones: {steps}")
+        if not is_complete(match[0]):
+            raise ConfigError(f"config error: checkpoint.load_step: {match[0]} is not a complete checkpoint "
+                              f"({incomplete_reason(match[0])}); complete ones: {steps}")
+        return match[0]
+    complete = [(s, p) for s, p in every if is_complete(p)]
+    full = [(s, p) for s, p in complete if kind_of(p) == "full"]
+    newest_step, newest = (full or complete or [(-1, None)])[-1]
+    broken = [p for s, p in every if s > newest_step and not is_complete(p)]
+    if broken:
+        raise refusal(folder, broken[-1], f"is not a complete checkpoint: {incomplete_reason(broken[-1])}")
+    return newest
