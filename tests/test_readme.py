@@ -37,6 +37,7 @@ def test_readme_gives_the_two_commands():
 #   expect  as written; must print the README's output line and exit 2 (an error example)
 #   skip    needs what CPU CI has not (weights on disk, a cluster) or is CI itself; the reason
 #           names the test that covers it
+_NEEDS_HF = "needs published weights under /models; tests/test_hf_train.py and tests/test_hf_scripts.py"
 README_COMMANDS = {
     "pip install torch==2.13.0 && pip install -e '.[dev]'": ("skip", "CI's install step (.ci/run)"),
     "./run_train.sh": ("steps", ""),
@@ -52,15 +53,20 @@ README_COMMANDS = {
         ("skip", "a benchmark; its modes are tested in tests/test_activation_checkpoint.py"),
     "./run_train.sh --config deepseek_debug.toml": ("steps", ""),
     "./run_train.sh --config deepseek_v3_671b.toml --dry-run": ("run", ""),
-    "./run_train.sh --config llama8b.toml --checkpoint.enable true --checkpoint.initial_load_path "
-    "/models/Llama-3.1-8B --checkpoint.initial_load_in_hf true --checkpoint.last_save_in_hf true "
-    "--checkpoint.export_dtype bfloat16": ("skip", "needs Llama-3.1-8B weights; tests/test_hf_train.py"),
-    "python scripts/convert_checkpoint.py dcp-to-hf outputs/llama8b/checkpoint/step-1000 /tmp/hf_out":
-        ("skip", "needs an 8B checkpoint; tests/test_hf_scripts.py"),
-    "python scripts/convert_checkpoint.py hf-to-dcp /models/Llama-3.1-8B /tmp/dcp_in":
-        ("skip", "needs Llama-3.1-8B weights; tests/test_hf_scripts.py"),
-    'python scripts/generate.py --checkpoint /tmp/hf_out --prompt "The meaning of" --temperature 0.8 --top_k 50':
-        ("skip", "needs converted weights; tests/test_hf_scripts.py"),
+    # Starting from published weights: every command needs an HF folder under /models.
+    "./run_train.sh --config llama8b_from_hf.toml": ("skip", _NEEDS_HF),
+    "./run_train.sh --config deepseek_v3_671b.toml --model.hf_path /models/DeepSeek-V3 --model.mtp_depth 1":
+        ("skip", _NEEDS_HF),
+    "./run_train.sh --model.hf_path /models/DeepSeek-V3 --model.name llama3": ("skip", _NEEDS_HF),
+    "./run_train.sh --config llama8b_from_hf.toml --checkpoint.last_save_in_hf true": ("skip", _NEEDS_HF),
+    "python scripts/convert_checkpoint.py dcp-to-hf outputs/llama8b_from_hf/checkpoint/step-1000 /tmp/hf_out "
+    "--model.hf_path /models/Llama-3.1-8B": ("skip", _NEEDS_HF),
+    "python scripts/convert_checkpoint.py hf-to-dcp /models/Llama-3.1-8B /tmp/dcp_in": ("skip", _NEEDS_HF),
+    'python scripts/generate.py --model.hf_path /models/Llama-3.1-8B --prompt "The meaning of" --top_k 50':
+        ("skip", _NEEDS_HF),
+    'python scripts/generate.py --checkpoint /tmp/hf_out --prompt "The meaning of" --temperature 0':
+        ("skip", _NEEDS_HF),
+    "./run_train.sh --model.hf_path": ("skip", _NEEDS_HF),
     "CONFIG_FILE=train_configs/llama8b.toml sbatch --nodes=4 scripts/multinode_trainer.slurm "
     "--checkpoint.enable true --job.dump_folder /shared/runs/llama8b": ("skip", "needs SLURM; tests/test_slurm.py"),
     "python -m pytest -q -s tests/test_parallel_layouts.py": ("skip", "part of the suite"),

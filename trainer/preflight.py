@@ -70,11 +70,13 @@ def check_runtime(cfg) -> None:
     output folders, initial weights."""
     from trainer import distributed as tdist
     from trainer.checkpoint import check_checkpoint_paths
+    from trainer.config import DEFAULT_TOKENIZER
     from trainer.data.tokenizer import build_tokenizer
     from trainer.errors import check_writable_folder
+    from trainer.model_args import check_tokenizer_fits, model_label, tokenizer_path
 
     tdist.pick_device(cfg.training.device)
-    build_tokenizer(cfg.model.tokenizer_path)
+    check_tokenizer_fits(build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER)), cfg.model_args, model_label(cfg))
     check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     check_checkpoint_paths(cfg.checkpoint, cfg.job.dump_folder)
 
@@ -106,7 +108,9 @@ def check_config(argv: list[str], shell: bool) -> int:
     if shell:
         print(f"NPROC={world}\nHAS_CUDA={int(has_cuda)}", flush=True)
     else:
-        print(f"config ok: {cfg.job.config_file or '(defaults)'} model={cfg.model.name}/{cfg.model.flavor} "
+        from trainer.model_args import model_label
+
+        print(f"config ok: {cfg.job.config_file or '(defaults)'} model={model_label(cfg)} "
               f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
               f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
     return 0
