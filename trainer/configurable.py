@@ -185,6 +185,7 @@ ENV_KNOBS: dict[str, str] = {
                               "(a dry run without it uses the smallest world the config implies).",
     "TITAN_CHECKPOINT_CRASH_AT": "test hook: <point>[@<step>] SIGKILLs the process at that point of a checkpoint "
                                  "save (async_write, after_write, before_rename, after_aside) or at the end of a step (step_end).",
+    "TITAN_AGENT_PID": "set by trainer.launch for its workers: the agent's pid; a worker dies with it.",
     "TITAN_LAUNCH_AGENT": "set by trainer.launch for its workers: a worker's one-line error goes to the agent, "
                           "which prints it once, instead of to the worker's own stderr.",
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",

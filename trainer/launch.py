@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return preflight_main(argv)
     _install_agent_handlers()
     os.environ[AGENT_ENV] = "1"  # workers hand their one-line errors to report_failure
+    os.environ["TITAN_AGENT_PID"] = str(os.getpid())  # and die with this process (preemption.die_with_the_agent)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -10,7 +10,8 @@ the save can be committed.
 Under `python -m trainer.launch` (the SLURM path) workers start with SIGUSR1 and
 SIGTERM blocked, so that a signal arriving before this handler exists is held instead
 of killing the process; installing the handler unblocks them, and a pending one is
-delivered right then (and honoured after the first step).
+delivered right then (and honoured after the first step). There, too, a worker dies with
+its agent (`die_with_the_agent`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,31 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def die_with_the_agent() -> None:
+    """Under trainer.launch: SIGKILL this worker when its agent dies. torchelastic starts
+    workers in their own session, so a SIGKILLed agent (OOM killer, a test's timeout, srun
+    giving up) used to leave them training, orphaned, holding the GPU."""
+    from trainer.configurable import env_value
+
+    agent = env_value("TITAN_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(agent):  # the agent died before prctl: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class PreemptionHandler:
@@ -31,6 +52,7 @@ class PreemptionHandler:
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PREEMPT_SIGNALS))
+        die_with_the_agent()
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_received is None:
