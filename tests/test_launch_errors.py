@@ -73,17 +73,22 @@ json.dump({"signal": h.signal_received}, open(sys.argv[1], "w"))
 """
 
 
+def _start_agent(tmp_path: Path, script: str, out: Path, *, stdout) -> subprocess.Popen:
+    """trainer.launch with one worker running `script out`, in its own session."""
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(path), str(out)],
+        cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_during_worker_start_up_is_held_and_honoured(tmp_path):
     """Before: workers started with only SIGUSR1 blocked, and a SIGTERM during start-up killed them."""
-    script = tmp_path / "worker.py"
-    script.write_text(SLOW_START_WORKER)
     out = tmp_path / "worker.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
-         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    agent = _start_agent(tmp_path, SLOW_START_WORKER, out, stdout=subprocess.PIPE)
     try:
         deadline = time.time() + 120
         while not child_pids(agent.pid):
@@ -111,14 +116,8 @@ time.sleep(120)
 def test_workers_die_with_a_killed_agent(tmp_path):
     """torchelastic starts workers in their own session: before, a SIGKILLed agent (a test's
     timeout, the OOM killer) left them running, orphaned."""
-    script = tmp_path / "worker.py"
-    script.write_text(ORPHAN_WORKER)
     pid_file = tmp_path / "worker.pid"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
-         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), str(pid_file)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    agent = _start_agent(tmp_path, ORPHAN_WORKER, pid_file, stdout=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (pid_file.exists() and pid_file.read_text()):
         assert agent.poll() is None and time.time() < deadline
