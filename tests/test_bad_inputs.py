@@ -46,7 +46,7 @@ PRE_LAUNCH = [
     ("TOML wrong type", {}, ["--config", "{d}/type.toml"], "training.steps"),
     ("TOML nan", {}, ["--config", "{d}/nan.toml"], "optimizer.lr"),
     # options that need another one
-    ("dataset=files without a path", {}, ["--training.dataset", "files"], "training.dataset_path"),
+    ("data files without a path", {}, ["--data.type", "files"], "data.path"),
     ("load_step without checkpoints", {}, ["--checkpoint.load_step", "3"], "checkpoint.load_step"),
     ("model-only export without checkpoints", {}, ["--checkpoint.last_save_model_only", "true"],
      "checkpoint.last_save_model_only"),
@@ -99,13 +99,13 @@ PRE_LAUNCH = [
 
 # Found by a worker: through torchrun, reported by trainer.launch as the worker's one line.
 IN_WORKER = [
-    ("dataset path missing", {}, TINY + ["--training.dataset", "files", "--training.dataset_path", "{d}/nope.txt"],
-     "training.dataset_path"),
-    ("dataset empty", {}, TINY + ["--training.dataset", "files", "--training.dataset_path", "{d}/empty.txt"],
-     "training.dataset_path"),
+    ("dataset path missing", {}, TINY + ["--data.type", "files", "--data.path", "{d}/nope.txt"],
+     "nope.txt"),
+    ("dataset empty", {}, TINY + ["--data.type", "files", "--data.path", "{d}/empty.txt"],
+     "empty.txt"),
     ("dataset too small for one batch", {"NGPU": "2", "LOG_RANK": "1"},
-     TINY + ["--training.dataset", "files", "--training.dataset_path", "{d}/small.txt"], "training.seq_len"),
-    ("dataset line not JSON", {}, TINY + ["--training.dataset", "files", "--training.dataset_path", "{d}/bad.jsonl"],
+     TINY + ["--data.type", "files", "--data.path", "{d}/small.txt"], "training.seq_len"),
+    ("dataset line not JSON", {}, TINY + ["--data.type", "files", "--data.path", "{d}/bad.jsonl"],
      "bad.jsonl:2"),
     ("flipped byte in a tensor", {}, TINY + ["--checkpoint.enable", "true", "--checkpoint.folder", "{d}/ck_flipped"],
      "ck_flipped/step-2"),

@@ -49,9 +49,13 @@ README_COMMANDS = {
     "LOG_RANK=0,1 NGPU=2 ./run_train.sh": ("steps", ""),
     "python -m trainer.train --help": ("run", ""),
     "./run_train.sh --training.stpes 3": ("expect", ""),
-    "python scripts/bench_activation_checkpoint.py --config llama_debug.toml --steps 6":
-        ("skip", "a benchmark; its modes are tested in tests/test_activation_checkpoint.py"),
     "./run_train.sh --config deepseek_debug.toml": ("steps", ""),
+    "python scripts/tokenize_data.py --input /data/fineweb/ --output /data/fineweb-tok --workers 16":
+        ("skip", "needs a corpus under /data; tests/test_data*.py tokenize generated files"),
+    "./run_train.sh --config llama8b.toml --data.path /data/fineweb-tok": ("skip", "needs a tokenized corpus under /data"),
+    "python scripts/bench_activation_checkpoint.py --config llama_debug.toml --steps 1 --threads 1 --interleaved 8":
+        ("skip", "a benchmark (minutes); its modes are tested in tests/test_activation_checkpoint.py"),
+    "python scripts/bench_data.py": ("skip", "a benchmark; the data path is tested in tests/test_data*.py"),
     "./run_train.sh --config deepseek_v3_671b.toml --dry-run": ("run", ""),
     # Starting from published weights: every command needs an HF folder under /models.
     "./run_train.sh --config llama8b_from_hf.toml": ("skip", _NEEDS_HF),
