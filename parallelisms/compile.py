@@ -26,8 +26,26 @@ class CompileConfig:
     """[compile]: torch.compile each transformer block."""
 
     enable: bool = opt(False, "Compile each transformer block (wrapped by AC when AC is on).")
-    backend: str = opt("inductor", "torch.compile backend.")
+    backend: str = opt("inductor", "torch.compile backend (a name torch._dynamo.list_backends knows).",
+                       parse=lambda v: known_backend(v))
     fullgraph: bool = opt(True, "Require one graph per block (fail loudly on graph breaks).")
+
+
+def known_backend(name):
+    """`compile.backend` checked at load, not at the first forward: a registered dynamo backend."""
+    if not isinstance(name, str) or name in ("inductor", "aot_eager", "eager"):
+        return name  # a non-string is reported by the type check
+    import difflib
+
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        usual = [k for k in known if "TESTING" not in k and "minifier" not in k]
+        raise ValueError(f"unknown torch.compile backend {name!r}{hint}; known: {', '.join(usual)}")
+    return name
 
 
 def disable_dynamo_lru_cache() -> bool:

@@ -28,7 +28,7 @@ def run_in_process(args: list[str], stop_after: int | None = None):
     cfg = load_config(args)
     trainer = Trainer(cfg)
     if stop_after is not None:
-        trainer.preemption.should_stop = lambda device: trainer.step >= stop_after
+        trainer.preemption.requested = lambda: trainer.step >= stop_after
     try:
         losses = trainer.train()
     finally:

@@ -149,3 +149,45 @@ def test_run_train_sh_fails_fast_with_one_line(env, argv, line):
     assert proc.returncode == 2
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [line]
     assert "Traceback" not in proc.stdout + proc.stderr and "ChildFailedError" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--optimizer.lr", "nan"], "optimizer.lr: nan is not a finite number"),
+    (["--optimizer.beta1", "-inf"], "optimizer.beta1: -inf is not a finite number"),
+    (["--training.max_norm", "1e999"], "training.max_norm: inf is not a finite number"),
+    (["--checkpoint.load_step", "2"], "checkpoint.load_step needs checkpoint.enable = true"),
+    (["--checkpoint.initial_load_in_hf", "true"], "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path"),
+    (["--compile.backend", "inductr"], "compile.backend: unknown torch.compile backend 'inductr' (did you mean"),
+])
+def test_non_finite_floats_preconditions_and_backends_are_refused(argv, fragment):
+    """Before: nan passed every range check (nan < min is False) and the others were ignored."""
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_nan_in_toml_is_refused(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[optimizer]\nlr = nan\n[training]\nmax_norm = inf\n")
+    with pytest.raises(ConfigError, match="optimizer.lr: nan is not a finite number"):
+        load_config(["--config", str(toml)])
+
+
+@pytest.mark.parametrize("name, world", [("deepseek_v3_671b.toml", 512), ("llama405b.toml", 64),
+                                         ("llama70b.toml", 8), ("deepseek_v3_16b.toml", 8), ("llama8b.toml", 1),
+                                         ("llama_debug_3d.toml", 4)])
+def test_dry_run_checks_the_world_size_the_config_implies(name, world):
+    """Before: the pre-launch check validated these against the local process count (1) and failed."""
+    from trainer.preflight import implied_world_size, layout_for
+
+    cfg = load_config(["--config", name])
+    assert implied_world_size(cfg.parallelism) == world
+    layout_for(cfg, world)  # the layout fits the world it implies
+
+
+def test_dry_run_of_a_512_rank_config_prints_its_layout():
+    proc = subprocess.run(["./run_train.sh", "--config", "deepseek_v3_671b.toml", "--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: world size 512 (implied by the config" in proc.stdout
+    assert "pp 8 x dp_replicate 1 x dp_shard 64" in proc.stdout

@@ -1,10 +1,51 @@
-"""Distributed checkpoints (torch.distributed.checkpoint)."""
+"""Distributed checkpoints (torch.distributed.checkpoint): what is saved, when, and how a
+bad checkpoint is reported.
+
+What a save holds: model, optimizer, LR schedule, step, every rank's RNG and every data
+rank's loader position, so a resume is bitwise exact. How it reaches disk safely (a commit
+point, atomic replacement, checksums, repair after a crash) is trainer/checkpoint_files.py.
+
+Async saves write in a background thread and are committed at the first step boundary
+where every rank's write has finished (`step_boundary`, which rides on the per-step
+preemption all-reduce), not at the next save: a crash after that boundary loses nothing
+that was written.
+
+Every way a checkpoint can be unreadable (missing .metadata, a truncated, empty, deleted
+or flipped .distcp, another model's tensors, DCP's CheckpointException, which is a
+BaseException and slips past `except Exception`) ends as one CheckpointError line that
+names the folder and the way out: `--checkpoint.load_step N`, or delete it.
+"""
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainer import checkpoint_files as files
+from trainer.checkpoint_files import CheckpointError, choose_resume, list_checkpoints, refusal  # noqa: F401
 from trainer.configurable import ConfigError, opt
+from trainer.distributed import collective_timeout, exempt_from_train_timeout
+
+logger = logging.getLogger("trainer")
 
 
 @dataclass
@@ -14,51 +55,66 @@ class CheckpointConfig:
     enable: bool = opt(False, "Save checkpoints and resume from the newest complete one.")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder (or absolute).")
     interval: int = opt(500, "Save every N steps (the last step is always saved).", min=1)
-    keep_latest_k: int = opt(0, "Keep only the newest K checkpoints; 0 keeps all.", min=0)
-    async_mode: str = opt("disabled", "disabled, or async (save in a background thread).",
-                          choices=("disabled", "async"))
-    last_save_model_only: bool = opt(False, "Make the final checkpoint hold only model weights (an export).")
+    keep_latest_k: int = opt(0, "Keep only the newest K full training states (model-only exports are kept); "
+                             "0 keeps all.", min=0)
+    async_mode: str = opt("disabled", "disabled, or async (save in a background thread; committed at the first "
+                          "step boundary after every rank has finished writing).", choices=("disabled", "async"))
+    last_save_model_only: bool = opt(False, "Make the final checkpoint hold only model weights (an export); the "
+                                     "newest full training state is kept for resuming.")
     load_step: int = opt(-1, "Resume from this step instead of the newest; -1 = newest.", min=-1)
     initial_load_path: str | None = opt(None, "Weights to start from when no checkpoint exists in folder "
-                                        "(a DCP step folder, or an HF folder with initial_load_in_hf).")
+                                        "(a DCP step folder, or an HF folder with initial_load_in_hf); works "
+                                        "with checkpoint.enable = false too.")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder.")
-    last_save_in_hf: bool = opt(False, "Also export the final weights as a Hugging Face folder.")
+    last_save_in_hf: bool = opt(False, "Also export the final weights as a Hugging Face folder <folder>/step-N-hf "
+                                "(works with checkpoint.enable = false too).")
     export_dtype: str = opt("float32", "dtype of exported weights.", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "Initialise the model in one process, save it as step-0 and exit. "
                                        "Runs on any layout that then start from it begin with identical weights.")
+    timeout_seconds: int = opt(1800, "Collective timeout while a checkpoint is saved or committed (after step 1 "
+                               "the others drop to comm.train_timeout_seconds, too short for a large save).", min=1)
+    verify_on_load: bool = opt(True, "Check every file against the CRC32 manifest written at save before loading "
+                               "(each rank reads its share once; see scripts/bench_checkpoint.py for the cost).")
 
     def validate(self, root) -> None:
-        if self.create_seed_checkpoint and not self.enable:
-            raise ConfigError("config error: checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+        needs_enable = {"create_seed_checkpoint": self.create_seed_checkpoint, "load_step": self.load_step >= 0,
+                        "last_save_model_only": self.last_save_model_only}
+        for key, used in needs_enable.items():
+            if used and not self.enable:
+                raise ConfigError(f"config error: checkpoint.{key} needs checkpoint.enable = true; "
+                                  "pass --checkpoint.enable true")
+        if self.initial_load_in_hf and not self.initial_load_path:
+            raise ConfigError("config error: checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the "
+                              "Hugging Face folder to load); pass --checkpoint.initial_load_path <folder>")
 
 
-import os
-import re
-import shutil
-import time
-from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
+def checkpoint_folder(cfg: CheckpointConfig, dump_folder: str) -> Path:
+    return Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(dump_folder) / cfg.folder
 
 
-class CheckpointError(RuntimeError):
-    """An unreadable or mismatching checkpoint; one line naming the path and the fix."""
+def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
+    """Before step 1: the checkpoint folder is writable and initial_load_path exists."""
+    from trainer.errors import check_writable_folder
+
+    if cfg.enable or cfg.last_save_in_hf:
+        check_writable_folder(checkpoint_folder(cfg, dump_folder), "checkpoint.folder")
+    if cfg.enable:
+        choose_resume(checkpoint_folder(cfg, dump_folder), cfg.load_step)
+    path = cfg.initial_load_path
+    if path and not os.path.isdir(path):
+        raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a folder; point it at a "
+                          "DCP step-N folder, or a Hugging Face folder with --checkpoint.initial_load_in_hf true")
+    if path and not cfg.initial_load_in_hf and not files.is_complete(Path(path)):
+        raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a DCP checkpoint folder "
+                          "(no .metadata); point it at a step-N folder, or set initial_load_in_hf for HF weights")
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -66,37 +122,63 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints only: `step-N` folders (temporaries have another name) with DCP metadata."""
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and (p / ".metadata").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    """The root message of an exception, CheckpointException's per-rank ones included."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = f"{type(e).__name__}: {e}"
+    return text.strip().splitlines()[0][:240] if text.strip() else type(e).__name__
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer with the `async_write` crash point between the data and the metadata."""
+
+    def __init__(self, path: Path, step: int):
+        super().__init__(str(path))
+        self._step = step
+
+    def write_data(self, plan, planner):
+        result = super().write_data(plan, planner)
+        files.crash_point("async_write", self._step)
+        return result
+
+
+@dataclass
+class _PendingSave:
+    done: Future  # the write, then this rank's checksums
+    tmp: Path
+    final: Path
+    step: int
 
 
 class Checkpointer:
-    """Saves and restores the whole training state with torch.distributed.checkpoint.
-
-    A save goes to `step-N.tmp` and is renamed to `step-N` by rank 0 only after
-    every rank has finished writing, so a crash mid-save leaves the previous
-    checkpoint as the newest complete one. Resume picks the newest complete one.
-    """
+    """Saves and restores the whole training state with torch.distributed.checkpoint."""
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, *, model_parts: list[torch.nn.Module],
                  optimizers: list[torch.optim.Optimizer], lr_schedulers: list, dataloader: Any, dp_rank: int):
         self.cfg = cfg
-        self.folder = Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(dump_folder) / cfg.folder
+        self.folder = checkpoint_folder(cfg, dump_folder)
         self.model_parts, self.optimizers, self.lr_schedulers = model_parts, optimizers, lr_schedulers
         self.dataloader, self.dp_rank = dataloader, dp_rank
-        self._pending: tuple[Any, Path, Path] | None = None
+        self._pending: _PendingSave | None = None
+        self._saved_step: int | None = None  # the newest full save started (pending or committed)
+        self._executor: ThreadPoolExecutor | None = None
+        self.last_save_seconds = 0.0
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one probe per node (node-local or shared disks)
+            check_checkpoint_paths(cfg, dump_folder)
         # Async saves run collectives from a background thread; give them their own group.
         self._async_pg = None
         if cfg.enable and cfg.async_mode == "async" and dist.is_initialized():
-            self._async_pg = dist.new_group(backend="gloo")
+            self._async_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_seconds))
+            exempt_from_train_timeout(self._async_pg)
 
     # ---- state ----
     def _model_state(self) -> dict[str, Any]:
@@ -127,105 +209,233 @@ class Checkpointer:
             state[f"dataloader_dp{self.dp_rank}"] = self.dataloader.state_dict()
         return state
 
-    # ---- save ----
-    def should_save(self, step: int, last_step: bool) -> bool:
-        return self.cfg.enable and (step % self.cfg.interval == 0 or last_step)
-
-    def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
-        if not self.cfg.enable:
-            return
-        if last_step and self.cfg.last_save_in_hf:
-            self.save_hf(step)
-        if last_step and self.cfg.last_save_model_only:
-            return self.save_model_only(step)
-        self.wait()
-        final = self.folder / f"step-{step}"
-        tmp = self.folder / f"step-{step}.tmp"
-        if _rank() == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        state = self._full_state(step)
-        t0 = time.perf_counter()
-        if self.cfg.async_mode == "async" and not force_sync and not last_step:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg)
-            self._pending = (future, tmp, final)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._commit(tmp, final)
-        self.last_save_seconds = time.perf_counter() - t0
-
-    def save_model_only(self, step: int) -> None:
-        """Writes step-N with model weights only (a seed checkpoint or an export)."""
-        self.wait()
-        final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
-        if _rank() == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        dcp.save({"model": self._export_model_state()}, checkpoint_id=str(tmp))
-        self._commit(tmp, final)
-
     def _export_model_state(self) -> dict[str, Any]:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.export_dtype]
         return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in self._model_state().items()}
 
-    def _commit(self, tmp: Path, final: Path) -> None:
-        _barrier()
+    # ---- save ----
+    def should_save(self, step: int, last_step: bool) -> bool:
+        if last_step and self.cfg.last_save_in_hf:
+            return True
+        return self.cfg.enable and (step % self.cfg.interval == 0 or last_step)
+
+    def save(self, step: int, *, last_step: bool = False, force_sync: bool = False) -> None:
+        """Saves step `step`. A second call for a step already saved (a preemption right after
+        an interval save) only finishes that save."""
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._save(step, last_step=last_step, force_sync=force_sync)
+
+    def _save(self, step: int, *, last_step: bool, force_sync: bool) -> None:
+        if last_step and self.cfg.last_save_in_hf:
+            self.save_hf(step)
+        if not self.cfg.enable:
+            return
+        if last_step and self.cfg.last_save_model_only:
+            return self._save_model_only(step)
+        if step == self._saved_step:
+            return self.wait()
+        self.wait()
+        tmp, final = self._begin(step)
+        state = self._full_state(step)
+        t0 = time.perf_counter()
+        if self.cfg.async_mode == "async" and not force_sync and not last_step:
+            self._saved_step = step
+            self._start_async(state, tmp, final, step)
+        else:
+            self._write(state, tmp, step)
+            self._saved_step = step
+            self._commit(tmp, final, step, "full", files.checksum_files(files.rank_files(tmp, _rank())))
+        self.last_save_seconds = time.perf_counter() - t0
+
+    def save_model_only(self, step: int) -> None:
+        """Writes step-N with model weights only (a seed checkpoint or an export)."""
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._save_model_only(step)
+
+    def _save_model_only(self, step: int) -> None:
+        self.wait()
+        tmp, final = self._begin(step)
+        self._write({"model": self._export_model_state()}, tmp, step)
+        self._commit(tmp, final, step, "model", files.checksum_files(files.rank_files(tmp, _rank())))
+
+    def _begin(self, step: int) -> tuple[Path, Path]:
+        final = self.folder / f"step-{step}"
+        tmp = final.with_name(final.name + files.TMP)
         if _rank() == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        return tmp, final
+
+    def _write(self, state: dict[str, Any], tmp: Path, step: int) -> None:
+        try:
+            dcp.save(state, storage_writer=_Writer(tmp, step))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            raise self._save_failed(tmp, step, e) from None
+
+    def _start_async(self, state: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
+        future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=self._async_pg)
+        rank = _rank()
+
+        def finish() -> dict[str, dict]:
+            future.result()
+            return files.checksum_files(files.rank_files(tmp, rank))
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._pending = _PendingSave(self._executor.submit(finish), tmp, final, step)
+
+    def _save_failed(self, tmp: Path, step: int, e: BaseException) -> CheckpointError:
+        """Removes the partial save and names the cause (a full disk shows up as
+        `inline_container.cc: unexpected pos`, so the free space is checked here)."""
+        from trainer.errors import disk_error_message
+
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:
+            cause = next(iter(e.failures.values()))[0]
+        line = disk_error_message(cause, f"checkpoint error: saving step-{step} to {self.folder} failed") \
+            if isinstance(cause, OSError) else None
+        if line is None:
+            try:
+                free = shutil.disk_usage(self.folder).free
+            except OSError:
+                free = None
+            if free is not None and free < 64 * 2**20:
+                line = (f"checkpoint error: saving step-{step} to {self.folder} failed: no space left on the device "
+                        f"({free / 2**20:.1f} MiB free); free space, lower checkpoint.keep_latest_k, or point "
+                        "checkpoint.folder at a bigger disk")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(line or f"checkpoint error: saving step-{step} to {self.folder} failed "
+                                       f"({_first_line(e)}); the partial save was removed")
+
+    def _commit(self, tmp: Path, final: Path, step: int, kind: str, my_files: dict | str) -> None:
+        """Collective: the commit point (rank 0 writes the manifest of every rank's files), then
+        the atomic replace. `my_files` is this rank's checksums, or its write error."""
+        files.crash_point("after_write", step)
+        gathered = _all_gather(my_files)
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(errors[0])
+        if _rank() == 0:
+            merged = {name: entry for g in gathered for name, entry in g.items()}
+            files.write_manifest(tmp, merged, step=step, kind=kind)
+            files.crash_point("before_rename", step)
+            files.replace(tmp, final, step)
             self._purge()
         _barrier()
 
-    def wait(self) -> None:
-        """Finishes a pending async save (called before the next save and at close)."""
-        if self._pending is None:
+    def write_finished(self) -> bool:
+        """This rank's part of the pending async save is on disk (no collective)."""
+        return self._pending is not None and self._pending.done.done()
+
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def commit_pending(self) -> None:
+        """Collective: commits the pending async save; call when every rank's write has finished."""
+        with collective_timeout(self.cfg.timeout_seconds):
+            self._commit_pending()
+
+    def _commit_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        future, tmp, final = self._pending
-        self._pending = None
-        future.result()
-        self._commit(tmp, final)
+        try:
+            result: dict | str = pending.done.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            result = str(self._save_failed(pending.tmp, pending.step, e))
+        self._commit(pending.tmp, pending.final, pending.step, "full", result)
+        logger.info(f"checkpoint step-{pending.step} committed (async)")
+
+    def step_boundary(self, preemption, device: torch.device, step: int) -> bool:
+        """Once per step, one all-reduce: whether any rank was asked to stop, and whether every
+        rank's async write is done, in which case it is committed now. Returns `stop`."""
+        stop, all_done = preemption.step_flags(device, busy=self.has_pending() and not self.write_finished())
+        if self._pending is not None and all_done:
+            self.commit_pending()
+        files.crash_point("step_end", step)
+        return stop
+
+    def wait(self) -> None:
+        """Finishes and commits a pending async save (before the next save and at close)."""
+        if self._pending is not None:
+            try:
+                self._pending.done.result()
+            except (Exception, CheckpointException):  # noqa: BLE001 - reported by commit_pending
+                pass
+            self.commit_pending()
 
     def _purge(self) -> None:
+        """keep_latest_k counts full training states only: a model-only export never pushes out
+        the state a resume needs."""
         if self.cfg.keep_latest_k > 0:
-            for _, path in list_checkpoints(self.folder)[: -self.cfg.keep_latest_k]:
+            full = [p for _, p in list_checkpoints(self.folder) if files.kind_of(p) == "full"]
+            for path in full[: -self.cfg.keep_latest_k]:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---- load ----
     def resume_path(self) -> Path | None:
-        ckpts = list_checkpoints(self.folder)
-        if self.cfg.load_step >= 0:
-            match = [p for s, p in ckpts if s == self.cfg.load_step]
-            if not match:
-                raise ConfigError(f"config error: checkpoint.load_step: no complete checkpoint step-"
-                                  f"{self.cfg.load_step} in {self.folder}; available: {[s for s, _ in ckpts]}")
-            return match[0]
-        return ckpts[-1][1] if ckpts else None
+        return choose_resume(self.folder, self.cfg.load_step)
+
+    def _refuse(self, path: Path, why: str) -> CheckpointError:
+        return refusal(self.folder, path, why)
+
+    def _verify(self, path: Path) -> None:
+        """Collective: each rank checks its share of the files against the manifest."""
+        manifest = files.read_manifest(path)
+        problem = None
+        if manifest is not None and self.cfg.verify_on_load:
+            names = sorted(manifest["files"])
+            problem = files.verify_files(path, manifest, names[_rank()::_world()])
+        problems = [p for p in _all_gather(problem) if p]
+        if problems:
+            raise self._refuse(path, f"is damaged: {problems[0]}")
+
+    def _check_model_matches(self, path: Path, metadata, model_sd: dict[str, Any]) -> None:
+        saved = metadata.state_dict_metadata
+        missing = [k for k in model_sd if f"model.{k}" not in saved]
+        wrong = [(k, list(saved[f"model.{k}"].size), list(v.shape)) for k, v in model_sd.items()
+                 if f"model.{k}" in saved and hasattr(saved[f"model.{k}"], "size")
+                 and tuple(saved[f"model.{k}"].size) != tuple(v.shape)]
+        if missing or wrong:
+            detail = (f"{wrong[0][0]} is {wrong[0][1]} there, {wrong[0][2]} here" if wrong else
+                      f"{len(missing)} of this model's tensors are missing there, e.g. {missing[0]}")
+            raise self._refuse(path, f"holds another model ({detail}; another model or flavor?)")
+
+    def _read_metadata(self, path: Path):
+        try:
+            return dcp.FileSystemReader(str(path)).read_metadata()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure: unreadable metadata
+            raise self._refuse(path, f"has unreadable metadata ({_first_line(e)})") from None
 
     def load(self) -> int:
         """Restores the newest complete checkpoint (or initial_load_path); returns the step to continue from."""
-        if not self.cfg.enable:
-            return 0
-        path = self.resume_path()
+        if self.cfg.enable:
+            if _rank() == 0:
+                for note in files.recover(self.folder):
+                    logger.info(f"checkpoint: {note}")
+            _barrier()
+        path = self.resume_path() if self.cfg.enable else None
         if path is None:
             if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
                 self.load_model_only(Path(self.cfg.initial_load_path))
             elif self.cfg.initial_load_path:
                 self.load_hf(Path(self.cfg.initial_load_path))
             return 0
-        try:
-            keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except Exception as e:  # noqa: BLE001 - any failure here means the metadata is unreadable
-            raise CheckpointError(f"checkpoint error: {path} has unreadable metadata ({type(e).__name__}); delete "
-                                  "it to resume from the previous one, or set --checkpoint.load_step") from None
-        top = {k.split(".", 1)[0] for k in keys}
+        if self.cfg.initial_load_path and _rank() == 0:
+            logger.info(f"resuming from {path}; checkpoint.initial_load_path is used only when there is none")
+        self._verify(path)
+        metadata = self._read_metadata(path)
+        top = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
         if "optimizer" not in top:
-            # A model-only export: weights only, training starts at step 0.
-            self.load_model_only(path)
+            # A model-only checkpoint (a seed or an export): weights only, training starts at step 0.
+            self.load_model_only(path, verified=True)
             return 0
         state = self._full_state(0)
+        self._check_model_matches(path, metadata, state["model"])
         state = {k: v for k, v in state.items() if k in top}
         dl_key = f"dataloader_dp{self.dp_rank}"
         if self.dataloader is not None and dl_key not in top and "dataloader_dp0" in top:
@@ -233,11 +443,7 @@ class Checkpointer:
             # own. dp rank 0's position is a global batch index, which the loader remaps to this rank.
             dl_key = "dataloader_dp0"
             state[dl_key] = self.dataloader.state_dict()
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint error: {path} could not be loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]}); delete it or set --checkpoint.load_step") from None
+        self._dcp_load(state, path)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, optimizer in zip(self.model_parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
@@ -252,18 +458,24 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"])
         if self.dataloader is not None and dl_key in state:
             self.dataloader.load_state_dict(state[dl_key])
-        return int(state["train_state"]["step"])
+        self._saved_step = int(state["train_state"]["step"])
+        return self._saved_step
 
-    def load_model_only(self, path: Path) -> None:
-        if not (path / ".metadata").is_file():
+    def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            raise self._refuse(path, f"could not be loaded ({_first_line(e)})") from None
+
+    def load_model_only(self, path: Path, verified: bool = False) -> None:
+        if not files.is_complete(path):
             raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a DCP checkpoint folder "
                               "(no .metadata); point it at a step-N folder, or set initial_load_in_hf for HF weights")
+        if not verified:
+            self._verify(path)
         model_sd = self._model_state()
-        try:
-            dcp.load({"model": model_sd}, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint error: {path} could not be loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]})") from None
+        self._check_model_matches(path, self._read_metadata(path), model_sd)
+        self._dcp_load({"model": model_sd}, path)
         for part in self.model_parts:
             set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
 
@@ -287,3 +499,5 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

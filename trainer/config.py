@@ -80,6 +80,10 @@ class TrainingSection:
     mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype under FSDP.", choices=("float32", "bfloat16"))
     mixed_precision_on_cpu: bool = opt(False, "Also use mixed_precision_param on CPU (slow, for tests).")
     device: str = opt("auto", "auto (CUDA if available, else CPU), cuda or cpu.", choices=("auto", "cuda", "cpu"))
+    max_skipped_steps: int = opt(3, "Skip a step whose loss or gradient norm is not finite (no optimizer update); "
+                                 "stop the run after this many in a row. 0 turns the guard off.", min=0)
+    loss_spike_factor: float = opt(0.0, "Also skip a step whose loss exceeds this many times the mean of the "
+                                   "last 20 accepted losses; 0 = off.", min=0.0)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import field
@@ -78,14 +79,18 @@ def coerce(key: str, tp, value: Any, from_cli: bool) -> Any:
     if base is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
         if from_cli and isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(value, (int, float)):
+            raise bad
+        # nan passes every range check (nan < min is False), and inf means a typo or an
+        # overflow ("1e999"): neither is a setting.
+        if not math.isfinite(value):
+            raise ConfigError(f"config error: {key}: {value!r} is not a finite number; give a finite value")
+        return float(value)
     if base is str:
         if isinstance(value, str):
             return value
@@ -175,8 +180,14 @@ def global_rank() -> int:
 ENV_KNOBS: dict[str, str] = {
     "AC_TRACE": "1 logs each distinct op's activation-checkpointing verdict once (SAVE/RECOMPUTE/ALTERNATE), and "
                 "the set mode=budget chose per kind of block (BUDGET), rank 0.",
-    "TITAN_CHECK_WORLD_SIZE": "set by run_train.sh for `trainer.launch --check-config`: the layout is checked "
-                              "against this world size before torchrun starts.",
+    "TITAN_CHECK_WORLD_SIZE": "set by run_train.sh / the SLURM script for `trainer.launch --check-config` and "
+                              "`--dry-run`: the layout is checked against this world size before torchrun starts "
+                              "(a dry run without it uses the smallest world the config implies).",
+    "TITAN_CHECKPOINT_CRASH_AT": "test hook: <point>[@<step>] SIGKILLs the process at that point of a checkpoint "
+                                 "save (async_write, after_write, before_rename, after_aside) or at the end of a step (step_end).",
+    "TITAN_AGENT_PID": "set by trainer.launch for its workers: the agent's pid; a worker dies with it.",
+    "TITAN_LAUNCH_AGENT": "set by trainer.launch for its workers: a worker's one-line error goes to the agent, "
+                          "which prints it once, instead of to the worker's own stderr.",
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",
     "TITAN_PREEMPT_MARKER": "test hook: rank 0 writes the preempted step to this file.",
     "NGPU / NPROC, LOG_RANK, CONFIG_FILE, TORCHRUN": "run_train.sh: processes, ranks shown, default config, launcher.",

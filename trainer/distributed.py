@@ -6,6 +6,7 @@ torchrun (or WORLD_SIZE=1) runs without any process group at all.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -31,6 +32,7 @@ def world_size() -> int:
 
 def init_distributed(device: torch.device, timeout_s: int) -> str | None:
     """Initialises the default process group when WORLD_SIZE > 1; returns the backend."""
+    global _timeout_s
     if world_size() == 1:
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -38,14 +40,60 @@ def init_distributed(device: torch.device, timeout_s: int) -> str | None:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _timeout_s = timeout_s
     return backend
 
 
+# Collective timeouts. Start-up (rendezvous, first compile, first collectives) gets
+# comm.init_timeout_seconds; after step 1 every group drops to comm.train_timeout_seconds,
+# so that a rank that stopped is found in seconds, not after the start-up bound (on gloo as
+# on NCCL: mesh sub-groups included, since a dead peer is first waited for in an FSDP or TP
+# collective, not on the default group). Checkpoint saves run under a longer bound
+# (`collective_timeout`): 8B's synchronous save writes ~12 GB per rank, longer than 120 s
+# on many file systems, while the other ranks wait in DCP's barrier.
+_timeout_s: int | None = None
+_exempt: list = []  # groups with their own timeout (the async checkpoint group)
+
+
+def exempt_from_train_timeout(group) -> None:
+    _exempt.append(group)
+
+
+def _groups() -> list:
+    from torch.distributed.distributed_c10d import _rank_not_in_group, _world
+
+    return [pg for pg in list(_world.pg_map) if not _rank_not_in_group(pg) and not any(pg is e for e in _exempt)]
+
+
 def set_collective_timeout(timeout_s: int) -> None:
-    """Shortens the timeout after start-up so that a hung rank fails the job quickly."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-        _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    """Sets the timeout of every process group this rank is in (gloo and NCCL)."""
+    global _timeout_s
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in _groups():
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+    _timeout_s = timeout_s
+
+
+def current_collective_timeout() -> int | None:
+    return _timeout_s
+
+
+@contextlib.contextmanager
+def collective_timeout(timeout_s: int):
+    """Raises every group's timeout to at least `timeout_s` inside the block (checkpoint saves),
+    then puts the previous one back."""
+    previous = _timeout_s
+    if not dist.is_initialized() or previous is None or previous >= timeout_s:
+        yield
+        return
+    set_collective_timeout(timeout_s)
+    try:
+        yield
+    finally:
+        set_collective_timeout(previous)
 
 
 def set_seed(seed: int, deterministic: bool) -> None:

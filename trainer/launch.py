@@ -18,27 +18,37 @@ step and exit". A second signal is forwarded too and changes nothing (the handle
 flag). A SIGTERM that arrives while there are no workers (rendezvous, shutdown)
 terminates the agent as before.
 
-Workers are started with SIGUSR1 blocked; `PreemptionHandler` unblocks it once its
-handler is installed, so a SIGUSR1 that lands while a worker is still importing torch
-is held, not fatal. The agent also blocks SIGUSR1 while it spawns the workers and
-delivers a pending one right after.
+Workers are started with SIGUSR1 and SIGTERM blocked; `PreemptionHandler` unblocks them
+once its handler is installed, so a signal that lands while a worker is still importing
+torch is held and then honoured (save after the step, exit), not fatal. The agent also
+blocks both while it spawns the workers and delivers a pending one right after. When the
+agent itself stops the workers (one of them failed), it uses SIGKILL: the survivors have
+nothing left to save, and with SIGTERM held they would only wait on their dead peer.
 
-`--check-config` loads and validates the trainer config exactly as `trainer.train`
-does, without torch.distributed: on error it prints the one-line `config error: ...`
-to stderr and exits 2. The SLURM script runs it once before `srun`, so a typo fails
-the job in seconds instead of after a rendezvous timeout.
+Failures: a worker that exits 2 has met a user error and recorded its one line
+(`trainer.errors`); the agent prints that line once, unprefixed, and exits 2, instead of
+torchrun's ChildFailedError report. A crash (any other exit code, or a signal) gets a
+short summary naming the rank, plus the worker's traceback when that rank's output was
+not shown (`--local-ranks-filter`), and the worker's exit code.
+
+`--check-config` and `--dry-run` (trainer/preflight.py) check a config before any worker
+starts.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from trainer.errors import AGENT_ENV, USER_ERROR_EXIT, USER_ERROR_KEY
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: list[int] = []
+SPAWN_BLOCKED = set(FORWARDED_SIGNALS)
 
 
 def child_pids(parent: int | None = None) -> list[int]:
@@ -86,16 +96,23 @@ def _install_agent_handlers() -> None:
 
     # torchelastic installs its own SIGTERM handler (shut the workers down, exit non-zero) when it
     # starts the workers (`--signals-to-handle`); put ours back right after. Workers are spawned
-    # with SIGUSR1 blocked (the mask is inherited across fork/exec); the worker's PreemptionHandler
-    # unblocks it once installed. The agent's own pending SIGUSR1, if any, is delivered on unblock.
+    # with SIGUSR1 and SIGTERM blocked (the mask is inherited across fork/exec); the worker's
+    # PreemptionHandler unblocks them once installed. The agent's own pending signal, if any, is
+    # delivered on unblock and forwarded to the new workers, which hold it until then.
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
 
     original_start = api.PContext.start
     if getattr(original_start, "_titan_wrapped", False):
         return
 
+    def stop_workers(self, worker_group) -> None:  # a worker failed (or a restart): no survivor saves
+        self._shutdown(signal.SIGKILL)
+
+    LocalElasticAgent._stop_workers = stop_workers
+
     def start(self, *args, **kwargs):
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, SPAWN_BLOCKED)
         try:
             return original_start(self, *args, **kwargs)
         finally:
@@ -108,28 +125,80 @@ def _install_agent_handlers() -> None:
     api.PContext.start = start
 
 
-def check_config(argv: list[str]) -> int:
-    from trainer.config import main_guard
-    from trainer.configurable import env_value
-    from trainer.model_args import model_label
+class _QuietUserErrors(logging.Filter):
+    """Drops the agent's log lines about a worker that exited with a user error (its one line
+    says everything) and about the survivors it then stops."""
 
-    # The launcher knows the world size: the layout is checked against it too (same code as the workers).
-    world = int(env_value("TITAN_CHECK_WORLD_SIZE", "0")) or None
-    cfg = main_guard(argv, world_size=world)  # prints `config error: ...` and exits 2 on a bad config
-    print(f"config ok: {cfg.job.config_file or '(defaults)'} model={model_label(cfg)} "
-          f"steps={cfg.training.steps} dump_folder={cfg.job.dump_folder} "
-          f"checkpoint={'on' if cfg.checkpoint.enable else 'off'}", flush=True)
-    return 0
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (f"exitcode: {USER_ERROR_EXIT})" in msg or "closing signal" in msg)
+
+
+def _shown_local_ranks(argv: list[str]) -> set[int] | None:
+    for i, arg in enumerate(argv):
+        for flag in ("--local-ranks-filter", "--local_ranks_filter"):
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            else:
+                continue
+            try:
+                return {int(r) for r in value.split(",")}
+            except ValueError:
+                return None
+    return None
+
+
+def _error_info(failure) -> dict:
+    """What the worker recorded through trainer.errors (message, py_callstack), or {}."""
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(message, dict) and USER_ERROR_KEY in message.get("extraInfo", {}):
+        return {"message": message.get("message", ""), **message["extraInfo"]}
+    return {}
+
+
+def report_failure(err, argv: list[str]) -> int:
+    """One user-facing report for a failed worker group; returns the exit code to use."""
+    failures = sorted(err.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    user = [(r, f) for r, f in failures if f.exitcode == USER_ERROR_EXIT]
+    if user:
+        rank, failure = user[0]
+        line = _error_info(failure).get("message")
+        if line:  # else the worker printed it itself (an error before it knew about the agent)
+            print(line, file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    rank, failure = failures[0]
+    info = _error_info(failure)
+    if failure.exitcode < 0:
+        _log(f"rank {rank} was killed by {failure.signal_name()} (out of memory, or killed from outside)")
+        return 128 - failure.exitcode
+    shown = _shown_local_ranks(argv)
+    if info.get("py_callstack") and shown is not None and failure.local_rank not in shown:
+        print(info["py_callstack"], file=sys.stderr, end="", flush=True)
+    _log(f"rank {rank} crashed with exit code {failure.exitcode}: {info.get('message') or 'see its output above'}")
+    return failure.exitcode or 1
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--check-config":
-        return check_config(argv[1:])
-    _install_agent_handlers()
-    from torch.distributed.run import main as torchrun_main
+    if argv and argv[0] in ("--check-config", "--dry-run"):
+        from trainer.preflight import main as preflight_main
 
-    torchrun_main(argv)  # raises ChildFailedError (exit 1) when a worker fails
+        return preflight_main(argv)
+    _install_agent_handlers()
+    os.environ[AGENT_ENV] = "1"  # workers hand their one-line errors to report_failure
+    os.environ["TITAN_AGENT_PID"] = str(os.getpid())  # and die with this process (preemption.die_with_the_agent)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    quiet = _QuietUserErrors()
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        run(parse_args(argv))  # torchrun's main without its @record report
+    except ChildFailedError as e:
+        return report_failure(e, argv)
     return 0
 
 

@@ -1,4 +1,17 @@
-"""Metrics: console, TensorBoard and metrics.jsonl."""
+"""Metrics: console, TensorBoard and metrics.jsonl.
+
+MFU convention (`mfu_pct`): TorchTitan's. Training FLOPs per token = 6 x the (activated)
+non-embedding parameters + 12 x L x H x Dh x S for attention, where 12 = 3 (forward and
+backward) x 2 (QK^T and PV) x 2 (multiply-add) over all S keys, as if attention were not
+causal. That is the figure peers publish, so it is the one to compare. A causal kernel does
+half the attention work: `mfu_causal_pct` counts 6 x L x H x Dh x S instead, the FLOPs
+actually done; both are printed. The peak is the device's dense bf16 rate, looked up by the
+exact model name in the CUDA device name (so "H100 PCIe" is not taken for an H100 SXM, nor
+an L40 for an L4).
+
+After a resume from step N, metrics.jsonl keeps only the records up to N (the steps after
+it are trained again), and TensorBoard purges the same steps, so each step appears once.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ class MetricsConfig:
 import contextlib
 import json
 import logging
+import re
 import resource
 import time
 from pathlib import Path
@@ -27,19 +41,50 @@ import torch
 
 logger = logging.getLogger("trainer")
 
-# Dense bf16 peak FLOP/s by device-name substring (first match wins).
-PEAK_BF16_FLOPS = (
-    ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("B200", 2250e12),
-    ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("MI300X", 1307e12),
-)
+# Dense (no sparsity) bf16 peak FLOP/s per device model; per form factor where they differ.
+# Sources: the vendors' datasheets (sparsity figures halved).
+PEAK_BF16_FLOPS: dict[str, float | dict[str | None, float]] = {
+    "H100": {"PCIe": 756e12, "NVL": 835e12, None: 989e12},  # None: SXM and HBM3 boards
+    "H800": {"PCIe": 756e12, None: 989e12},
+    "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
+    "A100": 312e12, "A800": 312e12,
+    "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
+    "MI300X": 1307e12,
+}
+_VENDOR_WORDS = {"nvidia", "amd", "instinct", "tesla", "radeon"}
+_unknown_warned: set[str] = set()
+
+
+def peak_flops_for(name: str) -> float | None:
+    """The dense bf16 peak of a CUDA device name ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
+    "NVIDIA GH200 480GB", "AMD Instinct MI300X"), by exact model word; None if unknown."""
+    words = [w for w in re.split(r"[\s_-]+", name) if w and w.lower() not in _VENDOR_WORDS]
+    if not words:
+        return None
+    entry = PEAK_BF16_FLOPS.get(words[0].upper())
+    if isinstance(entry, dict):
+        variants = {w.lower() for w in words[1:]}
+        return next((v for k, v in entry.items() if k is not None and k.lower() in variants), entry[None])
+    return entry
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """Peak dense bf16 FLOP/s, or None where MFU is not defined (CPU, unknown GPUs)."""
+    """Peak dense bf16 FLOP/s, or None where MFU is not defined (CPU, unknown GPUs: said once)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    peak = peak_flops_for(name)
+    if peak is None and name not in _unknown_warned:
+        _unknown_warned.add(name)
+        logger.warning(f"MFU: no peak FLOP/s known for {name!r}; add it to trainer.metrics.PEAK_BF16_FLOPS")
+    return peak
+
+
+def attention_flops_per_token(model_args, seq_len: int) -> float:
+    """The attention (scores and values) part of the model's FLOPs per token, in the
+    non-causal convention: its `flops_per_token` is linear in seq_len, so f(S) - f(0)."""
+    fn = getattr(model_args, "flops_per_token", None)
+    return float(fn(seq_len, 0, 0) - fn(0, 0, 0)) if fn is not None else 0.0
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -57,21 +102,40 @@ class MetricsLogger:
     """
 
     def __init__(self, cfg: MetricsConfig, dump_folder: str, *, enabled: bool, device: torch.device,
-                 flops_per_token: float, non_data_parallel_size: int):
+                 flops_per_token: float, non_data_parallel_size: int, start_step: int = 0,
+                 attention_flops_per_token: float = 0.0):
         self.cfg, self.enabled, self.device = cfg, enabled, device
         self.flops_per_token = flops_per_token
+        self.causal_flops_per_token = flops_per_token - attention_flops_per_token / 2
         self.non_dp = non_data_parallel_size
         self.peak_flops = device_peak_flops(device)
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
         self.tb = None
         if enabled:
-            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            from trainer.errors import check_writable_folder
+
+            check_writable_folder(dump_folder, "job.dump_folder")
+            self._drop_records_after(start_step)
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / cfg.save_tb_folder))
+                self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / cfg.save_tb_folder),
+                                        purge_step=start_step + 1)
         self._t0 = time.perf_counter()
         self._tokens = 0
         self._steps = 0
+
+    def _drop_records_after(self, step: int) -> None:
+        """A run that starts at `step` trains the later steps again: drop their old records."""
+        if not self.jsonl.is_file():
+            return
+        lines = self.jsonl.read_text().splitlines()
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        if len(keep) != len([ln for ln in lines if ln.strip()]):
+            tmp = self.jsonl.with_name(self.jsonl.name + ".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            tmp.replace(self.jsonl)
+            logger.info(f"metrics.jsonl: dropped {len(lines) - len(keep)} records after step {step} "
+                        "(trained again from there)")
 
     def should_log(self, step: int, last_step: bool) -> bool:
         return step == 1 or last_step or step % self.cfg.log_freq == 0
@@ -100,15 +164,16 @@ class MetricsLogger:
         # tokens/s per device: a TP/PP/CP group shares one stream of tokens.
         tps = self._tokens / max(elapsed, 1e-9) / self.non_dp
         mfu = 100 * self.flops_per_token * tps / self.peak_flops if self.peak_flops else None
+        mfu_causal = 100 * self.causal_flops_per_token * tps / self.peak_flops if self.peak_flops else None
         rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tps,
-               "mfu_pct": mfu, "step_time_s": elapsed / max(self._steps, 1), **memory_stats(self.device),
-               **(extra or {})}
+               "mfu_pct": mfu, "mfu_causal_pct": mfu_causal, "step_time_s": elapsed / max(self._steps, 1),
+               **memory_stats(self.device), **(extra or {})}
         self.reset_timer()
         if not self.enabled:
             return rec
         mem = next(iter(v for k, v in rec.items() if k.startswith("memory/")))
         logger.info(f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:7.3f} | lr {lr:.2e} | "
-                    f"tokens/s {tps:9.0f} | mfu {'n/a (CPU)' if mfu is None else f'{mfu:.1f}%'} | "
+                    f"tokens/s {tps:9.0f} | mfu {'n/a' if mfu is None else f'{mfu:.1f}% (causal {mfu_causal:.1f}%)'} | "
                     f"mem {mem:.2f} GiB")
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(rec) + "\n")

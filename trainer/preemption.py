@@ -2,12 +2,16 @@
 
 The handler only sets a flag, so a second signal during the checkpoint save
 changes nothing. Ranks may receive the signal at different times, so
-`should_stop` agrees across ranks with a MAX all-reduce before anyone acts.
+`step_flags` agrees across ranks with a MAX all-reduce before anyone acts. The same
+all-reduce carries a second flag, "my async checkpoint write is still running", so the
+checkpointer learns at every step boundary, for free, when every rank has finished and
+the save can be committed.
 
-Under `python -m trainer.launch` (the SLURM path) workers start with SIGUSR1
-blocked, so that a signal arriving before this handler exists is held instead
-of killing the process; installing the handler unblocks it, and a pending one
-is delivered right then.
+Under `python -m trainer.launch` (the SLURM path) workers start with SIGUSR1 and
+SIGTERM blocked, so that a signal arriving before this handler exists is held instead
+of killing the process; installing the handler unblocks them, and a pending one is
+delivered right then (and honoured after the first step). There, too, a worker dies with
+its agent (`die_with_the_agent`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,31 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def die_with_the_agent() -> None:
+    """Under trainer.launch: SIGKILL this worker when its agent dies. torchelastic starts
+    workers in their own session, so a SIGKILLed agent (OOM killer, a test's timeout, srun
+    giving up) used to leave them training, orphaned, holding the GPU."""
+    from trainer.configurable import env_value
+
+    agent = env_value("TITAN_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(agent):  # the agent died before prctl: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class PreemptionHandler:
@@ -28,16 +52,26 @@ class PreemptionHandler:
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PREEMPT_SIGNALS))
+        die_with_the_agent()
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_received is None:
             self.signal_received = signum
 
-    def should_stop(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.signal_received is not None else 0.0], device=device)
+    def requested(self) -> bool:
+        """A stop was asked of this rank (tests replace this to stop at a given step)."""
+        return self.signal_received is not None
+
+    def step_flags(self, device: torch.device, busy: bool = False) -> tuple[bool, bool]:
+        """(any rank asked to stop, no rank is busy), from one MAX all-reduce."""
+        flags = torch.tensor([float(self.requested()), float(busy)], device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, any_busy = flags.tolist()
+        return stop > 0, any_busy == 0
+
+    def should_stop(self, device: torch.device) -> bool:
+        return self.step_flags(device)[0]
 
     def mark_preempted(self, step: int) -> None:
         """Tells a launcher (e.g. the SLURM script) that the run stopped early and should be requeued."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,16 @@ from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
+from trainer.errors import report_user_error, run_entry_point
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
-from trainer.metrics import MetricsLogger
+from trainer.metrics import MetricsLogger, attention_flops_per_token
 from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
+from trainer.preflight import batch_layout
 from trainer.profiling import MemorySnapshotter, maybe_profile
+from trainer.step_guard import StepGuard
 from trainer.validation import build_validator, training_holdout
 
 logger = logging.getLogger("trainer")
@@ -70,6 +74,7 @@ class StepResult:
     grad_norm: float
     lr: float
     extra_metrics: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None  # why the step was not applied (trainer/step_guard.py)
 
 
 class Trainer:
@@ -91,14 +96,7 @@ class Trainer:
 
         # ---- batch layout ----
         self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
-        per_step_local = t.local_batch_size * self.dp_degree
-        global_bs = t.global_batch_size if t.global_batch_size > 0 else per_step_local
-        if global_bs % per_step_local != 0:
-            raise ConfigError(
-                f"config error: training.global_batch_size: {global_bs} is not a multiple of local_batch_size "
-                f"({t.local_batch_size}) x data-parallel degree ({self.dp_degree}) = {per_step_local}; use a multiple")
-        self.grad_accum_steps = global_bs // per_step_local
-        self.global_batch_size = global_bs
+        self.grad_accum_steps, self.global_batch_size = batch_layout(t, self.dp_degree)
 
         # ---- data ----
         from trainer.data import build_dataloader
@@ -150,7 +148,9 @@ class Trainer:
         self.is_logging_rank = self.rank == 0
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_logging_rank,
                                      device=self.device, flops_per_token=self.flops_per_token,
-                                     non_data_parallel_size=self.dims.non_data_parallel_size)
+                                     non_data_parallel_size=self.dims.non_data_parallel_size, start_step=self.step,
+                                     attention_flops_per_token=attention_flops_per_token(self.model_args, t.seq_len))
+        self.guard = StepGuard(t.max_skipped_steps, t.loss_spike_factor, lr=cfg.optimizer.lr)
         self.data_iter = iter(self.dataloader)
         gc.disable()
         if self.rank == 0:
@@ -235,22 +235,31 @@ class Trainer:
             [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
             pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
         lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step's update uses
-        for opt in self.optimizers:
-            opt.step()
-        for sched in self.lr_schedulers:
-            sched.step()
-        # Model-specific hook (MoE bias update); its metrics (expert load) come back explicitly.
-        extra: dict[str, float] = {}
-        if self.spec.post_optimizer_step_fn is not None:
-            for part in self.model_parts:
-                extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
         # The logged loss is the global mean over valid tokens (the main head's; MTP depths apart).
         dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+        skipped = None
+        if self.guard.enabled:  # global losses and norm, the same on every rank: one host sync, no collective
+            *losses, norm = torch.cat([loss_sum.double().flatten(), grad_norm.double().reshape(1)]).tolist()
+            loss = losses[0] if all(math.isfinite(v) for v in losses[1:]) else math.nan  # MTP terms count too
+            skipped = self.guard.check(self.step, loss, norm, log=self.rank == 0)
+        extra: dict[str, float] = {}
+        if skipped is None:
+            for opt in self.optimizers:
+                opt.step()
+            for sched in self.lr_schedulers:
+                sched.step()
+            # Model-specific hook (MoE bias update); its metrics (expert load) come back explicitly.
+            if self.spec.post_optimizer_step_fn is not None:
+                for part in self.model_parts:
+                    extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
+        if self.guard.total_skipped:
+            extra["skipped_steps"] = float(self.guard.total_skipped)
         if self.mtp_depth:
             extra["mtp_loss"] = loss_sum[1:].mean().item()
-        return StepResult(loss=loss_sum[0].item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra)
+        return StepResult(loss=loss_sum[0].item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra,
+                          skipped=skipped)
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training
@@ -286,7 +295,9 @@ class Trainer:
                 if first_step:
                     tdist.set_collective_timeout(cfg.comm.train_timeout_seconds)
                     first_step = False
-                if not last and self.preemption.should_stop(self.device):
+                # One all-reduce: a stop asked of any rank, and whether an async save is written everywhere
+                # (then it is committed now, not at the next save).
+                if not last and self.checkpointer.step_boundary(self.preemption, self.device, self.step):
                     logger.info(f"preemption signal received: saving a checkpoint at step {self.step} and exiting")
                     if cfg.checkpoint.enable:
                         self.checkpointer.save(self.step, force_sync=True)
@@ -314,10 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError) as e:
-        if global_rank() == 0:
-            print(str(e), file=sys.stderr)
         tdist.destroy()
-        return 2
+        return report_user_error(str(e))
     try:
         trainer.train()
     finally:
@@ -326,4 +335,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry_point(main))

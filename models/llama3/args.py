@@ -39,8 +39,9 @@ class Llama3Args:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def flops_per_token(self, seq_len: int, num_params: int, embedding_params: int) -> int:
-        """6 * non-embedding params + the attention term (12 * L * H * Dh * S, which is
-        the usual 6 * L * 2 * H * Dh * S convention with the causal factor included)."""
+        """6 * non-embedding params + the attention term 12 * L * H * Dh * S: TorchTitan's
+        convention, which counts attention over all S keys (not causal); trainer/metrics.py
+        also reports MFU with this term halved, the FLOPs a causal kernel does."""
         return 6 * (num_params - embedding_params) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 

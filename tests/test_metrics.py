@@ -1,0 +1,74 @@
+"""Metrics: the MFU peak table, the MFU conventions, and one record per step after a resume."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import TINY, read_metrics, run_in_process
+from trainer import metrics
+from trainer.metrics import MetricsConfig, MetricsLogger, attention_flops_per_token
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),     # before: 989e12 (substring "H100")
+    ("NVIDIA H100 NVL", 835e12),      # before: 989e12
+    ("NVIDIA GH200 480GB", 989e12),   # before: matched by the "H200" entry
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA L40", 181e12),           # before: 121e12 (substring "L4")
+    ("NVIDIA L40S", 362e12),
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA A10G", 70e12),
+    ("NVIDIA B200", 2250e12),
+    ("AMD Instinct MI300X", 1307e12),
+    ("NVIDIA GeForce RTX 4090", None),  # unknown: MFU n/a, said once
+    ("NVIDIA A10", None),               # not an A100, not an A10G
+])
+def test_peak_flops_by_exact_device_model(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert metrics.device_peak_flops(torch.device("cuda", 0)) == peak
+    assert metrics.device_peak_flops(torch.device("cpu")) is None
+
+
+def test_mfu_in_torchtitan_convention_and_causal(monkeypatch, tmp_path):
+    from models.llama3 import LLAMA3_FLAVORS
+
+    args = LLAMA3_FLAVORS["debug"]
+    attn = attention_flops_per_token(args, 256)
+    assert attn == 12 * args.n_layers * args.n_heads * args.head_dim * 256  # 12 * L * H * Dh * S
+    monkeypatch.setattr(metrics, "device_peak_flops", lambda device: 1e12)
+    log = MetricsLogger(MetricsConfig(enable_tensorboard=False), str(tmp_path), enabled=False,
+                        device=torch.device("cpu"), flops_per_token=10 * attn, non_data_parallel_size=1,
+                        attention_flops_per_token=attn)
+    log.add_tokens(1000)
+    rec = log.record(1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    tps = rec["tokens_per_s"]
+    assert rec["mfu_pct"] == pytest.approx(100 * 10 * attn * tps / 1e12)
+    assert rec["mfu_causal_pct"] == pytest.approx(100 * 9.5 * attn * tps / 1e12)  # attention halved
+
+
+def test_deepseek_attention_term():
+    from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+
+    a = DEEPSEEK_V3_FLAVORS["debug"]
+    assert attention_flops_per_token(a, 128) == 6 * a.n_layers * a.n_heads * (a.qk_head_dim + a.v_head_dim) * 128
+
+
+def test_each_step_once_in_metrics_after_resume(tmp_path):
+    """A run logged steps 1-6, then lost its last checkpoints (a crash before they were
+    complete); the resume from step 2 trains 3-6 again. Before: metrics.jsonl then held 3-6 twice."""
+    common = TINY + ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--job.dump_folder", str(tmp_path), "--metrics.enable_tensorboard", "true"]
+    first, _ = run_in_process(common)
+    for step in (4, 6):
+        shutil.rmtree(tmp_path / "checkpoint" / f"step-{step}")
+    second, _ = run_in_process(common)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == first  # bitwise: the resumed steps are the same steps
+    assert second == first[2:]
