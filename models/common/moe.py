@@ -92,12 +92,24 @@ def select_experts(
     return choice.topk(top_k, dim=-1).indices
 
 
+class GateLinear(nn.Linear):
+    """The router's [E, D] gate, computed in fp32 whatever the activations' dtype (as
+    Megatron's `moe_router_dtype=fp32`): bf16 logits have 8 mantissa bits, enough to flip
+    top-k choices between near-equal experts. Under FSDP bf16 mixed precision the weight
+    arrives bf16-rounded and is upcast; the input, the accumulation and the logits are
+    fp32. A subclass (not a functional call) so that TP styles keep their hooks on it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16 again
+            return F.linear(x.float(), self.weight.float())
+
+
 class TopKRouter(nn.Module):
-    """Token-choice top-k router. `gate` is the only parameter ([E, D] linear)."""
+    """Token-choice top-k router. `gate` is the only parameter ([E, D] linear, fp32 compute)."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = GateLinear(dim, args.num_experts, bias=False)
         self.num_experts = args.num_experts
         self.top_k = args.top_k
         self.score_func = args.score_func
@@ -108,7 +120,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
         """x: [N, D]. Returns (weights [N, K] fp32, expert ids [N, K] int64, scores [N, E] fp32)."""
-        logits = self.gate(x).float()
+        logits = self.gate(x)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         ids = select_experts(scores, self.top_k, bias=expert_bias, n_groups=self.n_groups,
                              topk_groups=self.topk_groups, score_func=self.score_func)
@@ -153,14 +165,78 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all((s * esz) % 16 == 0 for s in sizes)
 
 
+# Rows per expert group that the CUDA grouped GEMM kernels want: bf16 needs each group to
+# start on a 16-byte boundary of the row index space (8 rows), torchao's float8 grouped GEMM
+# needs multiples of 16. CPU kernels take any group size, including empty ones.
+GROUP_ALIGN_BF16 = 8
+GROUP_ALIGN_FLOAT8 = 16
+
+
+def grouped_mm_alignment(x: torch.Tensor, float8: bool = False) -> int:
+    """The row alignment of expert groups for `x`'s device (0: no padding, on CPU)."""
+    if x.device.type != "cuda":
+        return 0
+    return GROUP_ALIGN_FLOAT8 if float8 else GROUP_ALIGN_BF16
+
+
+def padded_group_layout(num_tokens_per_expert: torch.Tensor, n_rows: int, align: int):
+    """Where each row goes when every expert's group is padded to a multiple of `align`
+    rows, and to at least `align` rows (so no group is empty: zero-size groups have been
+    reported to hang the CUDA grouped GEMM's backward). No host sync: the padded buffer
+    has the static size P = n_rows + E * align + 1, enough for any routing.
+
+    Returns (dest [n_rows] int64: each row's slot; rows past sum(counts) go to the spare
+    last slot, src [P] int64: each slot's row, or n_rows for a zero row, offs [E] int32:
+    padded group ends). Slots past offs[-1] are outside every group: the GEMM leaves them
+    uninitialised, and the spare slot reads a zero row, so rows past the counts get junk
+    outputs (dropped by callers) and a zero gradient."""
+    counts = num_tokens_per_expert.to(torch.int64)
+    num_experts = counts.shape[0]
+    size = n_rows + num_experts * align + 1
+    padded = torch.clamp_min((counts + align - 1) // align * align, align)
+    pad_end = torch.cumsum(padded, dim=0)
+    end = torch.cumsum(counts, dim=0)
+    rows = torch.arange(n_rows, device=counts.device)
+    expert = torch.searchsorted(end, rows, right=True)  # [n_rows]; E for rows past sum(counts)
+    valid = expert < num_experts
+    e = expert.clamp_max(num_experts - 1)
+    slot_in_group = rows - (end - counts)[e]
+    dest = torch.where(valid, (pad_end - padded)[e] + slot_in_group, size - 1)
+    src = torch.full((size,), n_rows, dtype=torch.int64, device=counts.device)
+    src[dest] = rows
+    src[size - 1] = n_rows  # the spare slot reads a zero row: rows past the counts get no gradient
+    return dest, src, pad_end.to(torch.int32)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, float8: bool) -> torch.Tensor:
+    if float8:
+        # torchao's float8 rowwise grouped GEMM (CUDA SM90+); it wants the weight column-major
+        # per expert, i.e. stored as [E, N, K]: ours is [E, K, N], so this copies it.
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.mT.contiguous().mT, offs, out_dtype=x.dtype,
+                                                      pad_token_groups_for_grouped_mm=False)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
 def experts_grouped_mm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
-                       num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+                       num_tokens_per_expert: torch.Tensor, align: int = 0, float8: bool = False) -> torch.Tensor:
     """SwiGLU experts via `torch._grouped_mm`. x: [T, D] rows sorted by expert. Rows past
-    sum(num_tokens_per_expert) (padding) are left uninitialised: callers must drop them."""
-    offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    sum(num_tokens_per_expert) (padding) are left uninitialised: callers must drop them.
+
+    `align` > 0 pads every expert's group to a multiple of `align` rows (at least `align`)
+    with zero rows, as the CUDA kernels need (`grouped_mm_alignment`); the result is the
+    same. `float8` runs the GEMMs through torchao's float8 grouped GEMM."""
     x = x.contiguous()
-    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-    out = torch._grouped_mm(h, w2, offs=offs)
+    if align > 0:
+        dest, src, offs = padded_group_layout(num_tokens_per_expert, x.shape[0], align)
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)  # [P, D], zero rows as padding
+    else:
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    h = F.silu(_grouped_mm(x, w1, offs, float8)) * _grouped_mm(x, w3, offs, float8)
+    out = _grouped_mm(h, w2, offs, float8)
+    if align > 0:
+        out = out.index_select(0, dest)  # [T, D], back to the unpadded rows
     return _ContiguousGrad.apply(out)
 
 
@@ -194,6 +270,10 @@ class GroupedExperts(nn.Module):
     """
 
     partial_grad_over_replicate: bool = False
+    # Set by parallelisms/float8.py (`float8.moe_grouped_gemm`): grouped GEMMs in float8.
+    float8_grouped_mm: bool = False
+    # Set by parallelisms/compile.py: a torch.compile'd `experts_grouped_mm` for bf16 inputs.
+    compiled_grouped_mm = None
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
@@ -214,7 +294,11 @@ class GroupedExperts(nn.Module):
         if w1.dtype != x.dtype:  # weights FSDP's mixed precision does not manage (EP without FSDP)
             w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
-            return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+            # The compiled function takes bf16 only (the op's meta kernel); fp32 stays eager (CPU).
+            fn = self.compiled_grouped_mm if self.compiled_grouped_mm is not None and x.dtype == torch.bfloat16 \
+                else experts_grouped_mm
+            return fn(w1, w2, w3, x, num_tokens_per_expert, grouped_mm_alignment(x, self.float8_grouped_mm),
+                      self.float8_grouped_mm)
         return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
 
     def init_weights(self, std: float, out_std: float) -> None:
