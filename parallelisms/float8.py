@@ -40,7 +40,7 @@ from trainer.configurable import ConfigError, opt
 
 logger = logging.getLogger("float8")
 
-TORCHAO_HINT = "pip install 'torchao>=0.18' (or pip install -e '.[float8]')"
+TORCHAO_HINT = "pip install -e '.[float8]' (torchao>=0.18.0)"
 # torch._scaled_mm needs both dims of each operand to be multiples of 16.
 FLOAT8_DIM_MULTIPLE = 16
 # Float8 tensor cores: Ada (8.9) and Hopper (9.0) and later.
