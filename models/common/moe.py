@@ -291,6 +291,10 @@ class GroupedExperts(nn.Module):
             if self.partial_grad_over_replicate:
                 grad_placements = [Partial() if p.is_replicate() else p for p in w1.placements]
             w1, w2, w3 = (w.to_local(grad_placements=grad_placements) for w in (w1, w2, w3))
+        if torch.is_autocast_enabled(x.device.type):
+            # `_grouped_mm` has no autocast rule: without this, bf16 autocast (one GPU, no FSDP)
+            # would hand it the fp32 residual stream, and fall back to the per-expert loop.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if w1.dtype != x.dtype:  # weights FSDP's mixed precision does not manage (EP without FSDP)
             w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):

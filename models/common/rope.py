@@ -56,7 +56,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos_sin: [seq, 2, head_dim], or [batch, seq, 2,
-    head_dim] when each sample has its own positions."""
-    cos = cos_sin[..., 0, :].unsqueeze(-2).to(x.dtype)  # [(batch,) seq, 1, head_dim]
-    sin = cos_sin[..., 1, :].unsqueeze(-2).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    head_dim] when each sample has its own positions.
+
+    Computed in the table's dtype (fp32: the cache is a buffer, which FSDP's mixed
+    precision does not cast) and rounded once to x's dtype. In bf16 the cos/sin values
+    themselves would carry a 2^-9 relative error, the same at every position, and the
+    rotation two more roundings: that is the error TorchTitan and Megatron avoid by
+    rotating in fp32 too. Under compile the upcast fuses into the rotation."""
+    cos = cos_sin[..., 0, :].unsqueeze(-2)  # [(batch,) seq, 1, head_dim]
+    sin = cos_sin[..., 1, :].unsqueeze(-2)
+    xf = x.to(cos.dtype)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
