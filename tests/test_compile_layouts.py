@@ -111,3 +111,22 @@ def test_woven_moe_blocks_report_one_graph_break(tmp_path):
     assert moe.attention._compiled_call_impl is not None
     assert moe.moe.experts.compiled_grouped_mm is not None
     torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_bf16_moe_block_compiles_whole(tmp_path):
+    """In bf16 without EP (what one GPU runs), a MoE block is one graph, fullgraph, with its
+    grouped GEMMs inside (the experts cast autocast's fp32 input to bf16): no graph break."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    bf16 = ["--training.mixed_precision_on_cpu", "true", "--training.mixed_precision_param", "bfloat16"]
+    torch._dynamo.reset()
+    counters.clear()
+    eager, _ = run_in_process([*DEEPSEEK, LB, "2", *bf16, "--job.dump_folder", str(tmp_path / "eager")])
+    compiled, trainer = run_in_process([*DEEPSEEK, LB, "2", *bf16, *AOT, "--job.dump_folder",
+                                        str(tmp_path / "compiled")])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert all(b._compiled_call_impl is not None for b in trainer.model_parts[0].layers.values())
+    assert loss_rel(compiled, eager) <= 1e-2, (compiled, eager)  # bf16: decompositions round differently
+    torch._dynamo.reset()
