@@ -100,9 +100,10 @@ def test_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)
 def test_float8_loss_within_3pct_of_bf16_over_100_steps(tmp_path):
-    base = ["--config", "llama_debug.toml", "--training.steps", "100", "--training.seq_len", "128",
+    """About 90 s of CPU time for the three runs (bf16 matmuls are slow on CPUs without AMX)."""
+    base = ["--config", "llama_debug.toml", "--training.steps", "100", "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--training.mixed_precision_on_cpu", "true",
             "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "10"]
     curves = {}
