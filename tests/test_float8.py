@@ -100,12 +100,15 @@ def test_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3600)
 def test_float8_loss_within_3pct_of_bf16_over_100_steps(tmp_path):
-    """About 90 s of CPU time for the three runs (bf16 matmuls are slow on CPUs without AMX)."""
+    """About 2 minutes on 2 free cores for the three runs (eager float8 on CPU is slow: every
+    cast is a tensor-subclass op); far longer on a loaded machine, hence the timeout. lr 1e-3:
+    at llama_debug.toml's 3e-3 the loss curve itself jumps by 15% between logged steps."""
     base = ["--config", "llama_debug.toml", "--training.steps", "100", "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--training.mixed_precision_on_cpu", "true",
-            "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "10"]
+            "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "10",
+            "--optimizer.lr", "1e-3"]
     curves = {}
     for name, extra in {"bf16": [], "tensorwise": F8, "rowwise": [*F8, "--float8.recipe", "rowwise"]}.items():
         run_in_process([*base, *extra, "--job.dump_folder", str(tmp_path / name)])
