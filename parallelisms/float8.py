@@ -170,11 +170,6 @@ def enable_float8_grouped_experts(model: nn.Module, device: torch.device | None)
     return names
 
 
-def has_float8_all_gather(model_parts) -> bool:
-    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
-               for part in model_parts for m in part.modules())
-
-
 def precompute_float8_scales(model_parts, cfg: Float8Config) -> None:
     """After the optimizer step: one all-reduce computes the next forward's weight scales
     (only with the FSDP float8 all-gather, where each weight's shard is cast before the gather)."""
