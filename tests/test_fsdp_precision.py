@@ -28,6 +28,22 @@ def test_bf16_rotation_is_the_fp32_one_rounded_once():
     assert err(got) < 0.7 * err(in_bf16), (err(got), err(in_bf16))
 
 
+def test_rotation_backward_is_exact_and_saves_only_the_table():
+    table = rope_cos_sin(1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)), 16).double()
+    x = torch.randn(2, 16, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, table), (x,))
+    table32 = table.float()
+    saved = []
+    xb = torch.randn(2, 16, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = apply_rope(xb, table32)
+    assert y.dtype == torch.bfloat16
+    # Only views of the shared fp32 table are kept: no per-call copy of x or of the table.
+    assert saved and all(t.untyped_storage().data_ptr() == table32.untyped_storage().data_ptr() for t in saved)
+    y.float().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16
+
+
 def test_rope_cache_stays_fp32_under_fsdp_bf16(monkeypatch):
     """FSDP2 casts every floating-point forward input of a unit to the param dtype; the
     blocks opt out (parallelisms/fsdp.py), so the table reaches the rotation in fp32."""
