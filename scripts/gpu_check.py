@@ -104,7 +104,7 @@ def shapes(dry: bool) -> dict:
 
 
 def base_args(dump: str) -> list[str]:
-    return ["--training.dataset", "synthetic", "--training.steps", "1000", "--metrics.log_freq", "1000000",
+    return ["--data.type", "synthetic", "--training.steps", "1000", "--metrics.log_freq", "1000000",
             "--metrics.enable_tensorboard", "false", "--job.dump_folder", dump, "--training.mixed_precision_param",
             "bfloat16", "--checkpoint.enable", "false"]
 

@@ -30,7 +30,7 @@ TOL = 1e-5
 COMMON = ["--training.seq_len", "64", "--training.global_batch_size", "4", "--training.steps", "2",
           "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-3", "--optimizer.eps", "1e-4",
           "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0.3", "--metrics.log_freq", "1",
-          "--metrics.enable_tensorboard", "false", "--training.dataset", "synthetic"]
+          "--metrics.enable_tensorboard", "false", "--data.type", "synthetic"]
 LLAMA = ["--model.flavor", "debug_small", *COMMON]
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "ep_test", *COMMON]
 AOT = ["--compile.enable", "true", "--compile.backend", "aot_eager"]
