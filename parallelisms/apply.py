@@ -1,13 +1,15 @@
 """The one assembly path from model args to trainable, parallelized model parts.
 
-    build_model (meta) -> [PP split] -> parallelize each part: TP -> CP -> EP -> AC -> compile -> FSDP
+    build_model (meta) -> [PP split] -> parallelize each part: float8 -> TP -> CP -> EP -> AC -> compile -> FSDP
                        -> materialise -> layout-independent init
 
 The trainer, the memory estimator, the benches and the scripts all build models
 here, so the order of the plans is written once. Each step is a plan applied from
 outside the model by module name; the model code knows nothing about parallelism.
 
-Why this order: TP changes parameter shapes and layouts, so it goes first; CP swaps the
+Why this order: float8 swaps Linear modules for torchao's Float8Linear, which every later
+plan then treats as a Linear (TP shards it, FSDP sees its float8-aware weight); TP changes
+parameter shapes and layouts, so it goes first; CP swaps the
 attention cores (no parameters) and contributes its collectives to the AC save set; EP then
 re-shards the routed experts; AC wraps whole blocks, which must already hold their
 final (DTensor) parameters; compile sees the AC wrapper so that the partitioner reads
@@ -73,11 +75,15 @@ def autocast_context(precision: Precision, device_type: str):
 
 def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None = None,
                 backend: str | None = None) -> nn.Module:
-    """Applies TP -> CP -> EP -> AC -> compile -> FSDP to one model part (the whole model, or one
+    """Applies float8 -> TP -> CP -> EP -> AC -> compile -> FSDP to one model part (the whole model, or one
     pipeline stage) in place and returns it. Needs `dims.build_mesh()` to have run when any
     degree is > 1."""
     device_type = dims.device_type
     precision = precision or resolve_precision(cfg.training, device_type, dims.fsdp_mesh() is not None)
+    if cfg.float8.enable:
+        from parallelisms.float8 import apply_float8
+
+        apply_float8(part, cfg.float8, torch.device(device_type))
     if dims.tp_enabled:
         if spec.tensor_parallel_fn is None:
             raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {spec.name} has no TP plan; "
@@ -99,7 +105,7 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
 
     apply_activation_checkpointing(part, cfg.activation_checkpoint, spec=spec, extra_save_ops=save_ops,
                                    compile_enabled=cfg.compile.enable)
-    apply_compile(part, cfg.compile, cfg.activation_checkpoint)
+    apply_compile(part, cfg.compile, cfg.activation_checkpoint, compute_dtype=precision.autocast or precision.param)
     dp_mesh = dims.fsdp_mesh()
     if dp_mesh is not None:
         from parallelisms.fsdp import apply_fsdp

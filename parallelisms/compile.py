@@ -1,11 +1,32 @@
 """Per-block torch.compile.
 
-Order in the trainer: TP -> activation checkpointing -> `apply_compile` -> FSDP. Each
-entry of `model.layers` is compiled in place with `nn.Module.compile`, so module
-names and state-dict keys do not change (no `_orig_mod.` prefix). When a block is
-checkpoint-wrapped, the *wrapper* is compiled: the partitioner then sees the SAC
-save/recompute tags. Compiling the block inside the wrapper would turn it into one
-opaque compiled region, and op-level SAC would collapse into full recompute.
+Order in the assembly: float8 -> TP -> EP -> activation checkpointing -> `apply_compile`
+-> FSDP. Compilation is in place (`nn.Module.compile`), so module names and state-dict
+keys do not change (no `_orig_mod.` prefix).
+
+Dense blocks (and MoE blocks whose whole forward traces as one graph) are compiled whole,
+with `fullgraph`. When a block is checkpoint-wrapped, the *wrapper* is compiled: the
+partitioner then sees the SAC save/recompute tags. Compiling the block inside the wrapper
+would turn it into one opaque compiled region, and op-level SAC would collapse into full
+recompute.
+
+MoE blocks that cannot be one graph are compiled piece by piece ("woven" around the
+expert step, as TorchTitan does for MoE): under EP the dispatcher's split sizes are
+data (`.tolist()`, a device-to-host copy) and the all-to-all output has a data-dependent
+row count, and the fp32 experts (CPU tests) run a per-expert loop with data-dependent
+splits. So:
+
+- every child of the block but the MoE (norms, attention) is compiled with `fullgraph`;
+- the MoE's forward (routing, permute, unpermute, shared experts, aux loss) is compiled
+  with `fullgraph=False` around `MoE.run_experts`, which is `torch.compiler.disable`d:
+  dynamo reports exactly one graph break per MoE layer (the count is in
+  docs/performance.md and checked in tests/test_compile_layouts.py);
+- the experts' grouped GEMMs (bf16) run a separately compiled `experts_grouped_mm`
+  (fullgraph; under EP the row dim is marked dynamic, so a new token count does not
+  recompile).
+
+Woven blocks under AC keep the checkpoint wrapper eager around compiled pieces; the SAC
+policy then sees the pieces' outputs, not their inner ops (their insides are recomputed).
 """
 
 from __future__ import annotations
@@ -59,8 +80,13 @@ def disable_dynamo_lru_cache() -> bool:
         return False
 
 
-def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg) -> None:
+def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg, *,
+                  compute_dtype: torch.dtype | None = None) -> None:
     """Compiles every block of `model.layers` in place (the AC wrapper when there is one).
+
+    `compute_dtype` is the dtype the blocks compute in (FSDP's param dtype, or autocast's):
+    a MoE block without EP is compiled whole when its grouped GEMM traces in that dtype
+    (bf16), and woven otherwise (see the module doc). None: weave every MoE block.
 
     With `ac_cfg.mode == "memory_budget"` this sets
     `torch._functorch.config.activation_memory_budget = ac_cfg.memory_budget`, a
@@ -79,6 +105,64 @@ def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg) -> None:
     elif mode != "none":
         disable_dynamo_lru_cache()
     blocks = layers.values() if isinstance(layers, nn.ModuleDict) else list(layers)
+    woven = 0
     for block in blocks:
-        block.compile(backend=compile_cfg.backend, fullgraph=compile_cfg.fullgraph)
-    logger.info("compiled %d blocks (backend=%s, ac mode=%s)", len(blocks), compile_cfg.backend, mode)
+        moes = moe_layers(block)
+        if moes and not all(traces_whole(moe, compute_dtype) for moe in moes):
+            compile_woven(block, compile_cfg)
+            woven += 1
+        else:
+            block.compile(backend=compile_cfg.backend, fullgraph=compile_cfg.fullgraph)
+    logger.info("compiled %d blocks, %d of them MoE blocks woven around the expert step (backend=%s, ac mode=%s)",
+                len(blocks), woven, compile_cfg.backend, mode)
+
+
+def moe_layers(module: nn.Module) -> list:
+    from models.common.moe import MoE
+
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def traces_whole(moe, compute_dtype: torch.dtype | None) -> bool:
+    """Whether `moe`'s forward is one graph: no EP dispatcher, and grouped GEMMs that trace
+    (bf16, 16-byte rows) rather than the per-expert loop."""
+    from models.common.moe import grouped_mm_supported
+
+    if moe.token_dispatcher is not None or not moe.experts.use_grouped_mm or compute_dtype != torch.bfloat16:
+        return False
+    w = [torch.empty(p.shape[-3:], dtype=compute_dtype, device="meta") for p in (moe.experts.w1, moe.experts.w2,
+                                                                               moe.experts.w3)]
+    return grouped_mm_supported(torch.empty(1, w[0].shape[1], dtype=compute_dtype, device="meta"), *w)
+
+
+def compile_woven(block: nn.Module, compile_cfg: CompileConfig) -> None:
+    """Compiles a MoE block piece by piece around the expert step (see the module doc)."""
+    from models.common.moe import MoE
+
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    for child in inner.children():
+        if isinstance(child, MoE):
+            compile_moe(child, compile_cfg)
+        else:
+            child.compile(backend=compile_cfg.backend, fullgraph=compile_cfg.fullgraph)
+
+
+def compile_moe(moe, compile_cfg: CompileConfig) -> None:
+    from models.common.moe import experts_grouped_mm
+
+    # An instance attribute shadows the method: dynamo sees a disabled call and breaks there.
+    moe.run_experts = torch.compiler.disable(moe.run_experts, recursive=True)
+    moe.compile(backend=compile_cfg.backend, fullgraph=False)
+    grouped = torch.compile(experts_grouped_mm, backend=compile_cfg.backend, fullgraph=True)
+    if moe.token_dispatcher is not None:  # EP: the received row count changes every step
+        moe.experts.compiled_grouped_mm = _dynamic_rows(grouped)
+    else:
+        moe.experts.compiled_grouped_mm = grouped
+
+
+def _dynamic_rows(fn):
+    def call(w1, w2, w3, x, *args):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        return fn(w1, w2, w3, x, *args)
+
+    return call

@@ -31,9 +31,16 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     # `_expert_fsdp_mesh`: they are sharded first, over the ranks that share their EP shard
     # (dp_shard x cp x tp / ep), or, when there are none, left out of FSDP altogether.
     ignored: set = set()
-    # A model's extra modules that hold a block each (DeepSeek's MTP layers) are sharded like blocks.
+    # Blocks do not cast their inputs to the param dtype: the residual stream already is bf16
+    # (the embedding computes in it), and the other input, the fp32 RoPE table, must stay
+    # fp32 (FSDP would cast every floating-point input; TorchTitan's complex table escapes that).
+    block_kwargs = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                                cast_forward_inputs=False)}
+    # A model's extra modules that hold a block each (DeepSeek's MTP layers) are sharded like blocks
+    # (with FSDP's input cast: they also take the embedding of other tokens and the final hidden).
     mtp = getattr(model, "mtp", None)
-    for block in [*model.layers.values(), *(mtp.values() if mtp is not None else ())]:
+    blocks = [(b, block_kwargs) for b in model.layers.values()] + [(b, kwargs) for b in (mtp.values() if mtp else ())]
+    for block, unit_kwargs in blocks:
         for sub in block.modules():
             if not hasattr(sub, "_expert_fsdp_mesh"):
                 continue
@@ -41,14 +48,38 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
                 fully_shard(sub, reshard_after_forward=reshard, **{**kwargs, "mesh": sub._expert_fsdp_mesh})
             else:
                 ignored |= set(sub.parameters())
-        fully_shard(block, reshard_after_forward=reshard, **kwargs, **({"ignored_params": ignored} if ignored else {}))
+        fully_shard(block, reshard_after_forward=reshard, **unit_kwargs,
+                    **({"ignored_params": ignored} if ignored else {}))
     tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if tail:
         # The head runs last in forward and first in backward: resharding it would be wasted work.
         fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs, **({"ignored_params": ignored} if ignored else {}))
+    if any(hasattr(sub, "_expert_fsdp_mesh") for sub in model.modules()):
+        set_explicit_prefetch(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             if backend == "gloo":
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def set_explicit_prefetch(model: nn.Module) -> None:
+    """FSDP2 overlaps the next unit's all-gather with compute because the CPU runs ahead of
+    the GPU and issues it early. Under EP every MoE layer copies its split sizes to the
+    host (`.tolist()`), so the CPU waits there and the next all-gather starts late. Explicit
+    prefetch issues it from the current unit's hook instead: forward, each unit gathers the
+    next one (a MoE block together with its separately sharded experts); backward, the
+    previous one (TorchTitan does the same under EP)."""
+    units: list[list[nn.Module]] = []
+    if isinstance(getattr(model, "tok_embeddings", None), FSDPModule):
+        units.append([model.tok_embeddings])
+    for block in model.layers.values():
+        experts = [sub for sub in block.modules() if sub is not block and isinstance(sub, FSDPModule)]
+        units.append([block, *experts])
+    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if isinstance(m, FSDPModule)]
+    if tail:
+        units.append(tail[:1])  # norm and output are one FSDP unit: its first module stands for it
+    for current, following in zip(units, units[1:]):
+        current[0].set_modules_to_forward_prefetch(following)
+        following[0].set_modules_to_backward_prefetch(current)

@@ -18,6 +18,7 @@ from typing import Any
 
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig
 from parallelisms.compile import CompileConfig
+from parallelisms.float8 import Float8Config
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
@@ -109,6 +110,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     comm: CommSection = field(default_factory=CommSection)

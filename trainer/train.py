@@ -250,6 +250,10 @@ class Trainer:
                 opt.step()
             for sched in self.lr_schedulers:
                 sched.step()
+            if self.cfg.float8.enable:  # the next forward's float8 weight scales, in one all-reduce
+                from parallelisms.float8 import precompute_float8_scales
+
+                precompute_float8_scales(self.model_parts, self.cfg.float8)
             # Model-specific hook (MoE bias update); its metrics (expert load) come back explicitly.
             if self.spec.post_optimizer_step_fn is not None:
                 for part in self.model_parts:

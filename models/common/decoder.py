@@ -76,10 +76,8 @@ class DecoderLM(nn.Module):
         Returns logits, or hidden states on a stage without the output head."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
-        # Once, in the residual stream's dtype (bf16 when the weights run in bf16): blocks
-        # given the fp32 table would each cast it, a copy per block that each block then
-        # keeps for backward. The values are the same.
-        rope = rope.to(h.dtype)
+        # The table stays fp32 (a view, shared by every block): `apply_rope` rotates in fp32
+        # and keeps no per-block copy of it for backward (models/common/rope.py).
         mask = None if document_ids is None else DocumentMask(document_ids)
         for block in self.layers.values():
             h = block(h, rope) if mask is None else block(h, rope, mask=mask)

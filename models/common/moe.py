@@ -40,6 +40,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from models.common.decoder import FeedForward
+from models.common.grouped_gemm import (  # noqa: F401  (re-exported: the experts' kernels)
+    GROUP_ALIGN_BF16, GROUP_ALIGN_FLOAT8, experts_grouped_mm, experts_loop, grouped_mm_alignment,
+    grouped_mm_supported, padded_group_layout)
 from models.common.init import trunc_normal_
 
 
@@ -92,12 +95,24 @@ def select_experts(
     return choice.topk(top_k, dim=-1).indices
 
 
+class GateLinear(nn.Linear):
+    """The router's [E, D] gate, computed in fp32 whatever the activations' dtype (as
+    Megatron's `moe_router_dtype=fp32`): bf16 logits have 8 mantissa bits, enough to flip
+    top-k choices between near-equal experts. Under FSDP bf16 mixed precision the weight
+    arrives bf16-rounded and is upcast; the input, the accumulation and the logits are
+    fp32. A subclass (not a functional call) so that TP styles keep their hooks on it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16 again
+            return F.linear(x.float(), self.weight.float())
+
+
 class TopKRouter(nn.Module):
-    """Token-choice top-k router. `gate` is the only parameter ([E, D] linear)."""
+    """Token-choice top-k router. `gate` is the only parameter ([E, D] linear, fp32 compute)."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = GateLinear(dim, args.num_experts, bias=False)
         self.num_experts = args.num_experts
         self.top_k = args.top_k
         self.score_func = args.score_func
@@ -108,7 +123,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
         """x: [N, D]. Returns (weights [N, K] fp32, expert ids [N, K] int64, scores [N, E] fp32)."""
-        logits = self.gate(x).float()
+        logits = self.gate(x)
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         ids = select_experts(scores, self.top_k, bias=expert_bias, n_groups=self.n_groups,
                              topk_groups=self.topk_groups, score_func=self.score_func)
@@ -122,61 +137,6 @@ class TopKRouter(nn.Module):
 
 
 # --------------------------------------------------------------------------- experts
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: the CPU
-    `_grouped_mm` backward fails on expanded (stride-0) gradients."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
-
-
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` applies: the op exists; the dtype is bf16, or fp32 in eager
-    mode on CPU (the op's meta kernel, hence torch.compile, and CUDA take bf16 only); and every
-    row stride involved (x's, each weight's, the hidden activation's) is a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.dtype != torch.bfloat16 and not (
-            x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()):
-        return False
-    esz = x.element_size()
-    if any(w.dtype != x.dtype for w in weights):
-        return False
-    sizes = [x.shape[-1]] + [s for w in weights for s in (w.shape[-1], w.shape[-2] * w.shape[-1])]
-    return all((s * esz) % 16 == 0 for s in sizes)
-
-
-def experts_grouped_mm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
-                       num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts via `torch._grouped_mm`. x: [T, D] rows sorted by expert. Rows past
-    sum(num_tokens_per_expert) (padding) are left uninitialised: callers must drop them."""
-    offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    x = x.contiguous()
-    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-    out = torch._grouped_mm(h, w2, offs=offs)
-    return _ContiguousGrad.apply(out)
-
-
-def experts_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
-                 num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Reference: the same SwiGLU experts one matmul per expert (syncs for the split sizes).
-    Padding rows past sum(num_tokens_per_expert) come back as zeros."""
-    counts = num_tokens_per_expert.tolist()
-    used = sum(counts)
-    outs = []
-    for e, xe in enumerate(torch.split(x[:used], counts, dim=0)):
-        h = F.silu(xe @ w1[e]) * (xe @ w3[e])
-        outs.append(h @ w2[e])
-    if used < x.shape[0]:
-        outs.append(x.new_zeros(x.shape[0] - used, w2.shape[-1]))
-    return torch.cat(outs, dim=0)
 
 
 class GroupedExperts(nn.Module):
@@ -194,6 +154,10 @@ class GroupedExperts(nn.Module):
     """
 
     partial_grad_over_replicate: bool = False
+    # Set by parallelisms/float8.py (`float8.moe_grouped_gemm`): grouped GEMMs in float8.
+    float8_grouped_mm: bool = False
+    # Set by parallelisms/compile.py: a torch.compile'd `experts_grouped_mm` for bf16 inputs.
+    compiled_grouped_mm = None
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
@@ -211,10 +175,18 @@ class GroupedExperts(nn.Module):
             if self.partial_grad_over_replicate:
                 grad_placements = [Partial() if p.is_replicate() else p for p in w1.placements]
             w1, w2, w3 = (w.to_local(grad_placements=grad_placements) for w in (w1, w2, w3))
+        if torch.is_autocast_enabled(x.device.type):
+            # `_grouped_mm` has no autocast rule: without this, bf16 autocast (one GPU, no FSDP)
+            # would hand it the fp32 residual stream, and fall back to the per-expert loop.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if w1.dtype != x.dtype:  # weights FSDP's mixed precision does not manage (EP without FSDP)
             w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
-            return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+            # The compiled function takes bf16 only (the op's meta kernel); fp32 stays eager (CPU).
+            fn = self.compiled_grouped_mm if self.compiled_grouped_mm is not None and x.dtype == torch.bfloat16 \
+                else experts_grouped_mm
+            return fn(w1, w2, w3, x, num_tokens_per_expert, grouped_mm_alignment(x, self.float8_grouped_mm),
+                      self.float8_grouped_mm)
         return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
 
     def init_weights(self, std: float, out_std: float) -> None:

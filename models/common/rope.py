@@ -54,9 +54,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+class _RotateInTableDtype(torch.autograd.Function):
+    """y = x * cos + rotate_half(x) * sin, computed in the table's dtype and rounded once to
+    x's. Backward is the inverse rotation of the gradient (rotate_half is orthogonal:
+    its transpose is cat(u2, -u1)), so only cos and sin are saved: views of the one table
+    every block shares. Autograd through the plain expression would keep two fp32 copies of
+    q and k per block for backward."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        xf = x.to(cos.dtype)
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        g = grad.to(cos.dtype)
+        g1, g2 = (g * sin).chunk(2, dim=-1)
+        return (g * cos + torch.cat([g2, -g1], dim=-1)).to(ctx.x_dtype), None, None
+
+
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos_sin: [seq, 2, head_dim], or [batch, seq, 2,
-    head_dim] when each sample has its own positions."""
-    cos = cos_sin[..., 0, :].unsqueeze(-2).to(x.dtype)  # [(batch,) seq, 1, head_dim]
-    sin = cos_sin[..., 1, :].unsqueeze(-2).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    head_dim] when each sample has its own positions.
+
+    Computed in the table's dtype (fp32: the model hands every block a view of its fp32
+    buffer, and FSDP's blocks do not cast their inputs, parallelisms/fsdp.py) and rounded
+    once to x's dtype. In bf16 the cos/sin values would carry a 2^-9 relative error and the
+    rotation two more roundings: TorchTitan and Megatron rotate in fp32 too."""
+    cos = cos_sin[..., 0, :].unsqueeze(-2)  # [(batch,) seq, 1, head_dim]
+    sin = cos_sin[..., 1, :].unsqueeze(-2)
+    return _RotateInTableDtype.apply(x, cos, sin)

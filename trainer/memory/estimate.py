@@ -162,11 +162,9 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
         for part in rank.parts:
             balanced_experts(part)
             use_memory_probes(part)
-            # DecoderLM.forward casts the RoPE rows to the residual stream's dtype once; the
-            # blocks keep that one copy (a view of the table when no cast is needed).
-            rope_table = part.rope_cache[: layout.token_seq(seq)]
-            rope = rope_table.to(dtype)
-            part_saved.append(0 if rope is rope_table else rope.numel() * rope.element_size())
+            # DecoderLM.forward hands the blocks a view of the fp32 RoPE table (no copy).
+            rope = part.rope_cache[: layout.token_seq(seq)]
+            part_saved.append(0)
             for i, (key, block) in enumerate(part.layers.items()):
                 lid = int(key)
                 # A stage without the embedding receives the full hidden state (the pipeline
