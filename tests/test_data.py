@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -400,26 +401,34 @@ def test_builtin_cached(tmp_path, tok, monkeypatch):
     assert _same(_take(iter(a), 3), _take(iter(b), 3))
 
 
-def _build_in_child(args):
-    path_env, out = args
+def _build_in_child(path_env: str, log: str, result: str) -> None:
     os.environ["TITAN_DATA_CACHE"] = path_env
     import time
 
     def build():
-        with open(out, "a") as f:
+        with open(log, "a") as f:
             f.write("built\n")
         time.sleep(0.3)
         return np.arange(1000, dtype=np.uint16)
 
     arr, _, _ = cached_tokens("concurrent", build)
-    return int(arr.sum())
+    Path(result).write_text(str(int(arr.sum())))
 
 
+@pytest.mark.timeout(300)
 def test_cache_concurrent_builders_build_once(tmp_path):
     log = tmp_path / "builds.txt"
-    ctx = mp.get_context("fork")
-    with ctx.Pool(3) as pool:
-        sums = pool.map(_build_in_child, [(str(tmp_path / "cache"), str(log))] * 3)
+    # Plain spawned processes, results in files: a forked Pool can deadlock on its queue lock in a
+    # process (pytest + torch) that has other threads.
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path / "cache"), str(log), str(tmp_path / f"sum{i}")))
+             for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0, p.exitcode
+    sums = [int((tmp_path / f"sum{i}").read_text()) for i in range(3)]
     assert sums == [sum(range(1000))] * 3
     assert log.read_text().count("built") == 1
     assert not [n for n in os.listdir(tmp_path / "cache") if n.endswith(".tmp")]
