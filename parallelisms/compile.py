@@ -90,7 +90,8 @@ def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg, *,
 
     With `ac_cfg.mode == "memory_budget"` this sets
     `torch._functorch.config.activation_memory_budget = ac_cfg.memory_budget`, a
-    process-wide setting read when each block is first compiled (at its first call).
+    process-wide setting read when each block is first compiled (at its first call); any
+    other mode resets it to 1.0 (save all), so that one process can build models in turn.
     """
     from parallelisms.activation_checkpoint import _check_cfg
 
@@ -100,9 +101,9 @@ def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg, *,
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
         raise TypeError(f"compile needs the blocks in `model.layers`; {type(model).__name__} has none")
-    if mode == "memory_budget":
-        torch._functorch.config.activation_memory_budget = float(ac_cfg.memory_budget)
-    elif mode != "none":
+    torch._functorch.config.activation_memory_budget = \
+        float(ac_cfg.memory_budget) if mode == "memory_budget" else 1.0
+    if mode not in ("none", "memory_budget"):
         disable_dynamo_lru_cache()
     blocks = layers.values() if isinstance(layers, nn.ModuleDict) else list(layers)
     woven = 0

@@ -62,7 +62,7 @@ def _worker(opts, rest: list[str]) -> None:
     variants = opts.variants.split(",")
     tmp = tempfile.mkdtemp(prefix="bench_ac_")
     common = ["--training.steps", "100000", "--metrics.log_freq", "100000", "--metrics.enable_tensorboard", "false",
-              "--checkpoint.enable", "false", "--training.dataset", "synthetic"]
+              "--checkpoint.enable", "false", "--data.type", "synthetic"]
     trainers = {}
     for v in variants:
         cfg = load_config([*common, *rest, *_variant_args(v), "--job.dump_folder", f"{tmp}/{v}"])

@@ -146,7 +146,7 @@ def dist_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ac4")
     common = ["--training.steps", "1", "--training.seq_len", str(SEQ), "--training.local_batch_size",
-              str(LOCAL_BATCH), "--training.dataset", "synthetic", "--training.mixed_precision_param", "float32",
+              str(LOCAL_BATCH), "--data.type", "synthetic", "--training.mixed_precision_param", "float32",
               "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"]
     cases = [{"name": n, "args": [*common, "--job.dump_folder", str(root / n), *a]} for n, a in DIST_CASES.items()]
     (root / "cases.json").write_text(json.dumps(cases))

@@ -40,6 +40,7 @@ def test_readme_gives_the_two_commands():
 _NEEDS_HF = "needs published weights under /models; tests/test_hf_train.py and tests/test_hf_scripts.py"
 README_COMMANDS = {
     "pip install torch==2.13.0 && pip install -e '.[dev]'": ("skip", "CI's install step (.ci/run)"),
+    "pip install -e '.[float8]'": ("skip", "torchao is in the dev extra CI installs; tests/test_float8.py"),
     "./run_train.sh": ("steps", ""),
     "python -m pytest -q": ("skip", "what CI runs"),
     "./run_train.sh --config llama8b.toml": ("dry", ""),

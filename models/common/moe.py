@@ -96,15 +96,17 @@ def select_experts(
 
 
 class GateLinear(nn.Linear):
-    """The router's [E, D] gate, computed in fp32 whatever the activations' dtype (as
+    """The router's [E, D] gate, computed in at least fp32 whatever the activations' dtype (as
     Megatron's `moe_router_dtype=fp32`): bf16 logits have 8 mantissa bits, enough to flip
     top-k choices between near-equal experts. Under FSDP bf16 mixed precision the weight
     arrives bf16-rounded and is upcast; the input, the accumulation and the logits are
-    fp32. A subclass (not a functional call) so that TP styles keep their hooks on it."""
+    fp32 (fp64 stays fp64). A subclass (not a functional call) so that TP styles keep their
+    hooks on it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16 again
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class TopKRouter(nn.Module):
