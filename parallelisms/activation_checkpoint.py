@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 import torch.nn as nn
 
 from parallelisms.ac_ops import (

@@ -84,10 +84,7 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
         from parallelisms.float8 import apply_float8
 
         apply_float8(part, cfg.float8, torch.device(device_type))
-    if dims.tp_enabled:
-        if spec.tensor_parallel_fn is None:
-            raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {spec.name} has no TP plan; "
-                              "set it to 1")
+    if dims.tp_enabled:  # a spec without a TP plan is refused by parallel_dims.check_layout
         spec.tensor_parallel_fn(part, dims.mesh("tp"), cfg.parallelism)
     save_ops: frozenset = frozenset()  # a plan's own ops that op-level AC must keep
     if dims.cp > 1:

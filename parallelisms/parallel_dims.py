@@ -40,12 +40,26 @@ class ParallelismConfig:
         """Layout checks that need no world size (they also run for --dry-run); the world-size
         checks run when `ParallelDims` is built. `root.model_args` is resolved once, before."""
         check_layout(self, root.model_args, seq_len=root.training.seq_len,
-                     local_batch_size=root.training.local_batch_size)
+                     local_batch_size=root.training.local_batch_size, model_spec=root.model_spec,
+                     chunked_ce=root.loss.chunked_ce)
 
 
-def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batch_size: int) -> None:
-    """Every check of the degrees against the model's shape and the batch (no world size)."""
+def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batch_size: int,
+                 model_spec=None, chunked_ce: bool = False) -> None:
+    """Every check of the degrees against the model, the loss and the batch (no world size):
+    the one place that validates `tensor_parallel_degree` and the other degrees."""
+    from trainer.configurable import ConfigError
+
     tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
+    if tp > 1 and model_spec is not None and model_spec.tensor_parallel_fn is None:
+        raise ConfigError(f"config error: parallelism.tensor_parallel_degree: {model_spec.name} has no TP plan; "
+                          "set it to 1")
+    # Chunked CE computes the loss inside the output head's module: it needs the whole vocab
+    # (no TP) and the head on the rank that holds the labels (no PP).
+    for degree, field_name in ((tp, "tensor_parallel_degree"), (pp, "pipeline_parallel_degree")):
+        if chunked_ce and degree > 1:
+            raise ConfigError(f"config error: loss.chunked_ce: not supported with parallelism.{field_name} > 1 "
+                              f"(got {degree}); set --loss.chunked_ce false or {field_name} 1")
     check_model_layout(model_args, tp=tp, pp=pp, seq_len=seq_len,
                        sequence_parallel=cfg.enable_sequence_parallel and tp > 1)
     if pp > 1:

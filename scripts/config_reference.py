@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.config import SECTIONS  # noqa: E402
-from trainer.configurable import field_docs  # noqa: E402
+from trainer.configurable import ENV_KNOBS, field_docs  # noqa: E402
 
 
 def reference() -> str:
@@ -27,6 +27,11 @@ def reference() -> str:
                 default = "…" + default[-30:]
             out.append(f"| `{name}` | {tname.replace(' | ', ' or ')} | `{default!r}` | {doc.replace('|', '/')} |")
         out.append("")
+    out.append("**Environment variables** (diagnostics, launchers and test hooks; configuration belongs in TOML)\n")
+    out.append("| variable | meaning |")
+    out.append("|---|---|")
+    out.extend(f"| `{name}` | {doc.replace('|', '/')} |" for name, doc in ENV_KNOBS.items())
+    out.append("")
     return "\n".join(out)
 
 

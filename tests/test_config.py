@@ -191,3 +191,17 @@ def test_dry_run_of_a_512_rank_config_prints_its_layout():
     assert proc.returncode == 0, proc.stderr
     assert "layout: world size 512 (implied by the config" in proc.stdout
     assert "pp 8 x dp_replicate 1 x dp_shard 64" in proc.stdout
+
+
+def test_tp_degree_for_a_model_without_a_tp_plan_is_refused_at_load():
+    import dataclasses
+
+    from models import get_model_spec
+    from parallelisms.parallel_dims import check_layout
+    from trainer.config import load_config
+
+    cfg = load_config(["--parallelism.tensor_parallel_degree", "2"])
+    no_plan = dataclasses.replace(get_model_spec("llama3"), tensor_parallel_fn=None)
+    check_layout(cfg.parallelism, cfg.model_args, seq_len=256, local_batch_size=2, model_spec=cfg.model_spec)
+    with pytest.raises(ConfigError, match="parallelism.tensor_parallel_degree: llama3 has no TP plan"):
+        check_layout(cfg.parallelism, cfg.model_args, seq_len=256, local_batch_size=2, model_spec=no_plan)

@@ -84,6 +84,20 @@ def test_config_leaf_is_stdlib_only():
     assert not bad, bad
 
 
+def test_every_environment_knob_the_code_names_is_documented():
+    """Our own knobs (AC_TRACE, TITAN_*) live in ENV_KNOBS, which the README reference lists."""
+    import re
+
+    from trainer.configurable import ENV_KNOBS
+
+    files = _files("trainer/**/*.py", "models/**/*.py", "parallelisms/**/*.py", "scripts/*.py") + [REPO / "run_train.sh"]
+    named = {m for f in files for m in re.findall(r"\b(AC_TRACE|TITAN_[A-Z_]+)\b", f.read_text())}
+    assert {"AC_TRACE", "TITAN_CHECKPOINT_CRASH_AT"} <= named
+    assert not named - set(ENV_KNOBS), f"add to trainer/configurable.py ENV_KNOBS: {sorted(named - set(ENV_KNOBS))}"
+    readme = (REPO / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in ENV_KNOBS), "run scripts/config_reference.py into README.md"
+
+
 @pytest.mark.parametrize("source, forbidden", [
     ("import trainer.train\n", "trainer.train"),
     ("def f():\n    from trainer.data import build_dataloader\n", "trainer.data"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from parallelisms.activation_checkpoint import SavedActivationCounter

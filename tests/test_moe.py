@@ -310,7 +310,7 @@ def test_aux_loss_value_and_gradient():
 
 def test_sequence_balance_loss_is_one_when_uniform():
     # Uniform scores and uniform picks: sum_i f_i P_i = sum_i 1 * 1/E = 1.
-    e, k, s = 4, 2, 8
+    e, s = 4, 8
     scores = torch.full((s, e), 0.5)
     ids = torch.tensor([[0, 1], [2, 3]] * (s // 2))
     torch.testing.assert_close(sequence_balance_loss(scores, ids, 1, e, "sigmoid"), torch.tensor(1.0))

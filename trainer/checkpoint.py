@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import checkpoint_files as files
 from trainer.checkpoint_files import CheckpointError, choose_resume, list_checkpoints, refusal  # noqa: F401
-from trainer.configurable import ConfigError, opt
+from trainer.configurable import ConfigError, global_rank, opt
 from trainer.distributed import collective_timeout, exempt_from_train_timeout
 
 logger = logging.getLogger("trainer")
@@ -107,10 +107,6 @@ def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
     if path and not cfg.initial_load_in_hf and not files.is_complete(Path(path)):
         raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a DCP checkpoint folder "
                           "(no .metadata); point it at a step-N folder, or set initial_load_in_hf for HF weights")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world() -> int:
@@ -195,7 +191,7 @@ class Checkpointer:
         return sd
 
     def _full_state(self, step: int) -> dict[str, Any]:
-        rank = _rank()
+        rank = global_rank()
         state: dict[str, Any] = {
             "model": self._model_state(),
             "optimizer": self._optimizer_state(),
@@ -244,7 +240,7 @@ class Checkpointer:
         else:
             self._write(state, tmp, step)
             self._saved_step = step
-            self._commit(tmp, final, step, "full", files.checksum_files(files.rank_files(tmp, _rank())))
+            self._commit(tmp, final, step, "full", files.checksum_files(files.rank_files(tmp, global_rank())))
         self.last_save_seconds = time.perf_counter() - t0
 
     def save_model_only(self, step: int) -> None:
@@ -256,12 +252,12 @@ class Checkpointer:
         self.wait()
         tmp, final = self._begin(step)
         self._write({"model": self._export_model_state()}, tmp, step)
-        self._commit(tmp, final, step, "model", files.checksum_files(files.rank_files(tmp, _rank())))
+        self._commit(tmp, final, step, "model", files.checksum_files(files.rank_files(tmp, global_rank())))
 
     def _begin(self, step: int) -> tuple[Path, Path]:
         final = self.folder / f"step-{step}"
         tmp = final.with_name(final.name + files.TMP)
-        if _rank() == 0:
+        if global_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
@@ -275,7 +271,7 @@ class Checkpointer:
 
     def _start_async(self, state: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
         future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=self._async_pg)
-        rank = _rank()
+        rank = global_rank()
 
         def finish() -> dict[str, dict]:
             future.result()
@@ -304,7 +300,7 @@ class Checkpointer:
                 line = (f"checkpoint error: saving step-{step} to {self.folder} failed: no space left on the device "
                         f"({free / 2**20:.1f} MiB free); free space, lower checkpoint.keep_latest_k, or point "
                         "checkpoint.folder at a bigger disk")
-        if _rank() == 0:
+        if global_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return CheckpointError(line or f"checkpoint error: saving step-{step} to {self.folder} failed "
                                        f"({_first_line(e)}); the partial save was removed")
@@ -316,10 +312,10 @@ class Checkpointer:
         gathered = _all_gather(my_files)
         errors = [g for g in gathered if isinstance(g, str)]
         if errors:
-            if _rank() == 0:
+            if global_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(errors[0])
-        if _rank() == 0:
+        if global_rank() == 0:
             merged = {name: entry for g in gathered for name, entry in g.items()}
             files.write_manifest(tmp, merged, step=step, kind=kind)
             files.crash_point("before_rename", step)
@@ -389,7 +385,7 @@ class Checkpointer:
         problem = None
         if manifest is not None and self.cfg.verify_on_load:
             names = sorted(manifest["files"])
-            problem = files.verify_files(path, manifest, names[_rank()::_world()])
+            problem = files.verify_files(path, manifest, names[global_rank()::_world()])
         problems = [p for p in _all_gather(problem) if p]
         if problems:
             raise self._refuse(path, f"is damaged: {problems[0]}")
@@ -414,7 +410,7 @@ class Checkpointer:
     def load(self) -> int:
         """Restores the newest complete checkpoint (or initial_load_path); returns the step to continue from."""
         if self.cfg.enable:
-            if _rank() == 0:
+            if global_rank() == 0:
                 for note in files.recover(self.folder):
                     logger.info(f"checkpoint: {note}")
             _barrier()
@@ -425,7 +421,7 @@ class Checkpointer:
             elif self.cfg.initial_load_path:
                 self.load_hf(Path(self.cfg.initial_load_path))
             return 0
-        if self.cfg.initial_load_path and _rank() == 0:
+        if self.cfg.initial_load_path and global_rank() == 0:
             logger.info(f"resuming from {path}; checkpoint.initial_load_path is used only when there is none")
         self._verify(path)
         metadata = self._read_metadata(path)
@@ -451,7 +447,7 @@ class Checkpointer:
         for sched in self.lr_schedulers:
             if "lr_scheduler" in state:
                 sched.load_state_dict(state["lr_scheduler"])
-        rng = state.get(f"rng_rank{_rank()}")
+        rng = state.get(f"rng_rank{global_rank()}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if rng.get("cuda") is not None and torch.cuda.is_available():

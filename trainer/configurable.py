@@ -176,7 +176,8 @@ def global_rank() -> int:
 
 
 # Every environment variable the code reads, with what it does. Config belongs in TOML;
-# these are for diagnostics, launchers and tests. `README.md` lists them.
+# these are for diagnostics, launchers and tests. The README's config reference lists them
+# (scripts/config_reference.py), and tests/test_layering.py checks that the code reads no other.
 ENV_KNOBS: dict[str, str] = {
     "AC_TRACE": "1 logs each distinct op's activation-checkpointing verdict once (SAVE/RECOMPUTE/ALTERNATE), and "
                 "the set mode=budget chose per kind of block (BUDGET), rank 0.",
@@ -190,6 +191,8 @@ ENV_KNOBS: dict[str, str] = {
                           "which prints it once, instead of to the worker's own stderr.",
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",
     "TITAN_PREEMPT_MARKER": "test hook: rank 0 writes the preempted step to this file.",
+    "TITAN_TOKENIZE_KILL": "test hook: <point>[:<n>] SIGKILLs scripts/tokenize_data.py at the n-th pass of that "
+                           "point (see trainer/data/pretokenize.py).",
     "NGPU / NPROC, LOG_RANK, CONFIG_FILE, TORCHRUN": "run_train.sh: processes, ranks shown, default config, launcher.",
 }
 

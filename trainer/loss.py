@@ -63,17 +63,7 @@ class LossConfig:
         if root.model.mtp_depth > 0:
             raise ConfigError("config error: loss.chunked_ce: not supported with model.mtp_depth > 0 (the MTP depths "
                               "share the output head); set --loss.chunked_ce false or --model.mtp_depth 0")
-        par = root.parallelism
-        if par.tensor_parallel_degree > 1:
-            raise ConfigError(
-                "config error: loss.chunked_ce: not supported with parallelism.tensor_parallel_degree > 1 "
-                f"(got {par.tensor_parallel_degree}: the output projection is vocab-sharded); "
-                "set --loss.chunked_ce false or tensor_parallel_degree 1")
-        if par.pipeline_parallel_degree > 1:
-            raise ConfigError(
-                "config error: loss.chunked_ce: not supported with parallelism.pipeline_parallel_degree > 1 "
-                f"(got {par.pipeline_parallel_degree}: the pipeline computes the loss outside the last stage's "
-                "modules); set --loss.chunked_ce false or pipeline_parallel_degree 1")
+        # The TP and PP limits of chunked CE are layout checks: parallelisms/parallel_dims.check_layout.
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

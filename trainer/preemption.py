@@ -24,6 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from trainer.configurable import env_value, global_rank
+
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -31,8 +33,6 @@ def die_with_the_agent() -> None:
     """Under trainer.launch: SIGKILL this worker when its agent dies. torchelastic starts
     workers in their own session, so a SIGKILLed agent (OOM killer, a test's timeout, srun
     giving up) used to leave them training, orphaned, holding the GPU."""
-    from trainer.configurable import env_value
-
     agent = env_value("TITAN_AGENT_PID")
     if not agent or not sys.platform.startswith("linux"):
         return
@@ -75,8 +75,8 @@ class PreemptionHandler:
 
     def mark_preempted(self, step: int) -> None:
         """Tells a launcher (e.g. the SLURM script) that the run stopped early and should be requeued."""
-        marker = os.environ.get("TITAN_PREEMPT_MARKER")
-        if marker and int(os.environ.get("RANK", "0")) == 0:
+        marker = env_value("TITAN_PREEMPT_MARKER")
+        if marker and global_rank() == 0:
             tmp = marker + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"step": step, "signal": self.signal_received}, f)

@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from trainer.configurable import env_value
+
 logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> str:
-    return os.environ.get("TITAN_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "titanlite")
+    return env_value("TITAN_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "titanlite")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from trainer.configurable import ConfigError
+from trainer.configurable import ConfigError, env_value
 from trainer.data.cache import token_dtype
 from trainer.data.documents import iter_records, list_input_files
 from trainer.data.shards import FORMAT, MANIFEST, VERSION, ShardWriter, tokenizer_hash, write_json_atomic
@@ -43,7 +43,7 @@ _kill_counts: collections.Counter = collections.Counter()
 
 def kill_point(point: str) -> None:
     """SIGKILLs this run at the configured point (see the module docstring); no-op otherwise."""
-    spec = os.environ.get(KILL_ENV)
+    spec = env_value(KILL_ENV)
     if not spec:
         return
     name, _, count = spec.partition(":")

@@ -32,7 +32,6 @@ def run_measurements(cases: list[ValidationCase], workdir: str, timeout: int = 3
     """Runs `measure_step` for every case, one process (or torchrun launch) per rank count.
     Returns, per case name, one result per rank."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
