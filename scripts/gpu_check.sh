@@ -4,7 +4,7 @@
 # of the table instead of a stuck job. Under 8 minutes on one GPU; writes one markdown table.
 #
 #   scripts/gpu_check.sh                      # one GPU; table in gpu_check.md
-#   scripts/gpu_check.sh --out docs/gpu.md    # elsewhere
+#   scripts/gpu_check.sh --out /tmp/table.md  # elsewhere
 #   scripts/gpu_check.sh --dry                # CPU, tiny shapes (the test suite runs this)
 set -uo pipefail
 cd "$(dirname "$0")/.."

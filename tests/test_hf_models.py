@@ -6,7 +6,7 @@ norm gains, random routing biases, one expert that never receives a token), save
 it with `save_pretrained`, loads it into our model and compares logits in fp32;
 then exports ours with `save_hf` and reloads that with transformers.
 
-Builders here are also used by tests/test_hf_parallel.py and tests/test_hf_scripts.py.
+Builders here are also used by tests/test_hf_scripts.py, test_hf_train.py, test_moe_balance.py and test_mtp.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Our RoPE is the rotate-half layout (models/common/rope.py), which is the layout of
 HF Llama checkpoints, so q/k weights load as they are: no permutation. The parity
-tests (tests/test_hf_llama.py) would catch a layout mismatch, since they use q/k
+tests (tests/test_hf_models.py) would catch a layout mismatch, since they use q/k
 weights large enough that RoPE decides the attention pattern.
 
     tok_embeddings.weight                     model.embed_tokens.weight
