@@ -124,9 +124,10 @@ def _setup(opts, cfg):
 
 
 def _build(spec, args, device, dtype):
+    from parallelisms.apply import build_model
+
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = build_model(spec, args)
     model.to_empty(device=device)
     model.init_weights()
     return model.to(dtype)
