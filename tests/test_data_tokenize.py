@@ -153,3 +153,30 @@ def test_reader_refuses_damage_and_other_tokenizers(tmp_path, tok):
     with pytest.raises(ConfigError, match="none of the 50 records .* has a non-empty 'body' text"):
         tokenize_to_shards([str(tmp_path / "in.jsonl")], str(tmp_path / "wrong"), TOKENIZER, text_field="body",
                            progress_bar=False)
+
+
+def test_non_utf8_bytes_are_counted_and_named_once(tmp_path, caplog):
+    """Bytes that are not UTF-8 (a Latin-1 file) are read as U+FFFD, as before, but counted and
+    named in one warning per file, by the trainer's reader and by scripts/tokenize_data.py."""
+    from trainer.data.documents import file_records
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    (inp / "latin.txt").write_bytes("café olé naïve".encode("latin-1"))  # 3 bad bytes
+    (inp / "latin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "gar\xe7on \xff"}\n')  # 2 bad bytes
+    (inp / "clean.jsonl").write_text(json.dumps({"text": "ünï 你好"}) + "\n")
+    with caplog.at_level("WARNING", logger="trainer.data.documents"):
+        for _ in range(2):  # a second pass (an epoch) warns no more
+            assert list(file_records(str(inp / "latin.txt"))) == ["caf\ufffd ol\ufffd na\ufffdve"]
+            assert list(file_records(str(inp / "latin.jsonl"))) == ["fine", "gar\ufffdon \ufffd"]
+            assert list(file_records(str(inp / "clean.jsonl"))) == ["ünï 你好"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert "latin.txt: 3 bytes are not valid UTF-8" in warnings[0]
+    assert "latin.jsonl: 2 bytes are not valid UTF-8" in warnings[1]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "tokenize_data.py"), "--input", str(inp),
+                           "--output", str(tmp_path / "out"), "--workers", "1", "--no-progress"],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    named = [ln for ln in proc.stderr.splitlines() if "not valid UTF-8" in ln]
+    assert len(named) == 2 and "latin.jsonl: 2 bytes" in named[0] and "latin.txt: 3 bytes" in named[1], proc.stderr

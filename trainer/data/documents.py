@@ -12,10 +12,13 @@ in ``state.json``, which pyarrow reads directly.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
+import logging
 import os
+import threading
 from collections.abc import Iterator
 
 from trainer.configurable import ConfigError
@@ -25,6 +28,43 @@ TEXT_EXTENSIONS = (".txt",)
 TABLE_EXTENSIONS = (".parquet", ".arrow")
 ALL_EXTENSIONS = TEXT_EXTENSIONS + JSONL_EXTENSIONS + TABLE_EXTENSIONS
 RECORD_BATCH_ROWS = 1024  # parquet/arrow rows read at a time
+logger = logging.getLogger(__name__)
+
+# Bytes that are not UTF-8 become U+FFFD, as errors="replace" does, but are counted, so that
+# a file in another encoding (Latin-1, UTF-16) is named once instead of training silently on
+# replacement characters. Per thread: the decoder calls the handler on the reading thread.
+_UTF8_ERRORS = "titan_count_replace"
+_bad_bytes = threading.local()
+_warned_files: set[str] = set()
+
+
+def _count_and_replace(e: UnicodeDecodeError) -> tuple[str, int]:
+    _bad_bytes.n = getattr(_bad_bytes, "n", 0) + (e.end - e.start)
+    return "\ufffd", e.end
+
+
+codecs.register_error(_UTF8_ERRORS, _count_and_replace)
+
+
+def _counted_lines(f, path: str) -> Iterator[str]:
+    """The lines of text file `f`; warns once per file if any of its bytes were not UTF-8
+    (counted around each read, so files read in turn by one thread never mix counts)."""
+    bad, lines = 0, iter(f)
+    try:
+        while True:
+            before = getattr(_bad_bytes, "n", 0)
+            try:
+                line = next(lines)
+            finally:
+                bad += getattr(_bad_bytes, "n", 0) - before
+            yield line
+    except StopIteration:
+        pass
+    finally:
+        if bad and path not in _warned_files:
+            _warned_files.add(path)
+            logger.warning("data: %s: %d bytes are not valid UTF-8 (read as U+FFFD); re-encode the file as UTF-8 "
+                           "(e.g. iconv -f latin1 -t utf-8)", path, bad)
 
 
 def _hidden(name: str) -> bool:
@@ -74,20 +114,20 @@ def list_input_files(path: str, *, split: str | None = None, what: str = "input"
 
 def _open_text(path: str):
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+        return gzip.open(path, "rt", encoding="utf-8", errors=_UTF8_ERRORS)
     if path.endswith(".zst"):
         try:
             import zstandard
         except ImportError:
             raise ConfigError(f"config error: {path}: reading .zst needs `pip install zstandard`") from None
         raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return io.TextIOWrapper(raw, encoding="utf-8", errors=_UTF8_ERRORS)
+    return open(path, encoding="utf-8", errors=_UTF8_ERRORS)
 
 
 def _jsonl_records(path: str, text_field: str, skip: int) -> Iterator[str | None]:
     with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in enumerate(_counted_lines(f, path), 1):
             if lineno <= skip:
                 continue
             if not line.strip():
@@ -146,8 +186,8 @@ def file_records(path: str, text_field: str = "text", skip: int = 0) -> Iterator
     one record (the whole file)."""
     if path.endswith(TEXT_EXTENSIONS):
         if skip == 0:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
+            with open(path, encoding="utf-8", errors=_UTF8_ERRORS) as f:
+                text = "".join(_counted_lines(iter(f.read, ""), path))  # one read, counted
             yield text if text.strip() else None
         return
     if path.endswith(TABLE_EXTENSIONS):
