@@ -47,6 +47,8 @@ PRE_LAUNCH = [
     ("TOML nan", {}, ["--config", "{d}/nan.toml"], "optimizer.lr"),
     # options that need another one
     ("data files without a path", {}, ["--data.type", "files"], "data.path"),
+    ("data path the source type ignores", {}, ["--data.path", "{d}/small.txt"], "data.path"),
+    ("CPU offload without FSDP", {}, ["--parallelism.fsdp_cpu_offload", "true"], "parallelism.fsdp_cpu_offload"),
     ("load_step without checkpoints", {}, ["--checkpoint.load_step", "3"], "checkpoint.load_step"),
     ("model-only export without checkpoints", {}, ["--checkpoint.last_save_model_only", "true"],
      "checkpoint.last_save_model_only"),

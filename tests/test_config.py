@@ -158,12 +158,27 @@ def test_run_train_sh_fails_fast_with_one_line(env, argv, line):
     (["--checkpoint.load_step", "2"], "checkpoint.load_step needs checkpoint.enable = true"),
     (["--checkpoint.initial_load_in_hf", "true"], "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path"),
     (["--compile.backend", "inductr"], "compile.backend: unknown torch.compile backend 'inductr' (did you mean"),
+    (["--data.path", "corpus.jsonl"], "data.path: read only by data.type files, tokens, stream, but data.type is "
+                                      "builtin"),
+    (["--training.loss_spike_factor", "3", "--training.max_skipped_steps", "0"],
+     "training.loss_spike_factor: 3 is read only by the guard"),
+    (["--training.loss_spike_factor", "0.5"], "training.loss_spike_factor: 0.5 must exceed 1"),
 ])
 def test_non_finite_floats_preconditions_and_backends_are_refused(argv, fragment):
     """Before: nan passed every range check (nan < min is False) and the others were ignored."""
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_options_that_the_layout_or_the_command_line_would_ignore():
+    """fsdp_cpu_offload without FSDP was ignored (nothing offloaded); a command-line data.type
+    replaces the file's source instead of tripping over its data.path."""
+    with pytest.raises(ConfigError, match="parallelism.fsdp_cpu_offload: needs FSDP, but the layout on 1 rank"):
+        load_config(["--parallelism.fsdp_cpu_offload", "true"], world_size=1)
+    assert load_config(["--parallelism.fsdp_cpu_offload", "true"], world_size=2).parallelism.fsdp_cpu_offload
+    assert load_config(["--config", "llama8b.toml"]).data.path == "data/tokens"
+    assert load_config(["--config", "llama8b.toml", "--data.type", "synthetic"]).data.path is None
 
 
 def test_nan_in_toml_is_refused(tmp_path):

@@ -84,7 +84,15 @@ class TrainingSection:
     max_skipped_steps: int = opt(3, "Skip a step whose loss or gradient norm is not finite (no optimizer update); "
                                  "stop the run after this many in a row. 0 turns the guard off.", min=0)
     loss_spike_factor: float = opt(0.0, "Also skip a step whose loss exceeds this many times the mean of the "
-                                   "last 20 accepted losses; 0 = off.", min=0.0)
+                                   "last 20 accepted losses (> 1, with training.max_skipped_steps > 0); 0 = off.",
+                                   min=0.0)
+
+    def validate(self, root) -> None:
+        if self.loss_spike_factor and (self.loss_spike_factor <= 1 or self.max_skipped_steps == 0):
+            why = ("is read only by the guard, which training.max_skipped_steps = 0 turns off"
+                   if self.loss_spike_factor > 1 else "must exceed 1 (at or below the mean, most steps would be skipped)")
+            raise ConfigError(f"config error: training.loss_spike_factor: {self.loss_spike_factor:g} {why}; "
+                              "set it above 1 with training.max_skipped_steps > 0, or to 0")
 
 
 @dataclass
@@ -142,7 +150,11 @@ class JobConfig:
         if world_size is not None:
             from parallelisms.parallel_dims import ParallelDims
 
-            ParallelDims.from_config(self.parallelism, world_size)
+            dims = ParallelDims.from_config(self.parallelism, world_size)
+            if self.parallelism.fsdp_cpu_offload and not (dims.fsdp_enabled or dims.hsdp_enabled):
+                raise ConfigError(f"config error: parallelism.fsdp_cpu_offload: needs FSDP, but the layout on "
+                                  f"{world_size} rank(s) has data_parallel_shard_degree x context_parallel_degree "
+                                  "= 1 and no replicas; use more ranks for FSDP or drop it")
 
 
 # The config sections, in --help order: JobConfig's fields (listed once, above).
@@ -245,6 +257,9 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
             # A command-line HF folder replaces the file's model: its name, shape and tokenizer
             # come from the folder (ones given on the command line as well are still checked).
             cfg.model.name = cfg.model.flavor = cfg.model.tokenizer_path = None
+        cli = {(s, k) for s, k, _ in overrides}
+        if ("data", "type") in cli and ("data", "path") not in cli:
+            cfg.data.path = None  # a command-line source type replaces the file's source (e.g. synthetic)
     for section, key, value in overrides:
         if (section, key) == ("job", "config_file"):
             continue

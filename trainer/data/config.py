@@ -99,6 +99,11 @@ class DataConfig:
 
     def validate(self, root) -> None:
         self.source_specs()
+        if self.path and not self.sources and self.type not in NEEDS_PATH:
+            # before: the path was ignored and the run trained on builtin text without a word
+            raise ConfigError(f"config error: data.path: read only by data.type {', '.join(NEEDS_PATH)}, but "
+                              f"data.type is {self.type}; set --data.type files (or tokens, stream) or drop "
+                              "data.path")
         if self.document_masking and root.parallelism.context_parallel_degree > 1:
             raise ConfigError("config error: data.document_masking: not supported with "
                               "parallelism.context_parallel_degree > 1 yet (the CP attention takes no document "
