@@ -72,3 +72,9 @@ def test_each_step_once_in_metrics_after_resume(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in records] == first  # bitwise: the resumed steps are the same steps
     assert second == first[2:]
+    # The logged lr is the rate of the step's own update (before: the next step's), resumed too.
+    from trainer.optim import LRSchedulerConfig, lr_factor
+
+    sched = LRSchedulerConfig(warmup_steps=2)
+    assert [r["lr"] for r in records] == pytest.approx([1e-3 * lr_factor(s - 1, 6, sched) for s in range(1, 7)])
+    assert records[0]["lr"] == pytest.approx(1e-3 / 3)
