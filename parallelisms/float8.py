@@ -72,6 +72,9 @@ class Float8Config:
                                   "enable_fsdp_float8_all_gather are set; set --float8.enable true or unset them")
             return
         require_torchao()
+        if self.moe_grouped_gemm and getattr(root.model_args, "n_routed_experts", None) is None:
+            raise ConfigError("config error: float8.moe_grouped_gemm: the model has no routed experts (nothing to "
+                              "convert); set --float8.moe_grouped_gemm false")
         if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ConfigError(f"config error: float8.enable_fsdp_float8_all_gather: needs recipe tensorwise (got "
                               f"{self.recipe!r}); set --float8.recipe tensorwise or turn the float8 all-gather off")

@@ -172,11 +172,18 @@ def test_non_finite_floats_preconditions_and_backends_are_refused(argv, fragment
 
 
 def test_options_that_the_layout_or_the_command_line_would_ignore():
-    """fsdp_cpu_offload without FSDP was ignored (nothing offloaded); a command-line data.type
+    """fsdp_cpu_offload and the float8 all-gather without FSDP, float8 expert GEMMs without
+    experts, were ignored; a command-line data.type
     replaces the file's source instead of tripping over its data.path."""
     with pytest.raises(ConfigError, match="parallelism.fsdp_cpu_offload: needs FSDP, but the layout on 1 rank"):
         load_config(["--parallelism.fsdp_cpu_offload", "true"], world_size=1)
     assert load_config(["--parallelism.fsdp_cpu_offload", "true"], world_size=2).parallelism.fsdp_cpu_offload
+    float8 = ["--float8.enable", "true", "--float8.enable_fsdp_float8_all_gather", "true"]
+    with pytest.raises(ConfigError, match="float8.enable_fsdp_float8_all_gather: needs FSDP"):
+        load_config(float8, world_size=1)
+    assert load_config(float8, world_size=2).float8.enable_fsdp_float8_all_gather
+    with pytest.raises(ConfigError, match="float8.moe_grouped_gemm: the model has no routed experts"):
+        load_config(["--float8.enable", "true", "--float8.moe_grouped_gemm", "true"])
     assert load_config(["--config", "llama8b.toml"]).data.path == "data/tokens"
     assert load_config(["--config", "llama8b.toml", "--data.type", "synthetic"]).data.path is None
 

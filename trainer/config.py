@@ -151,10 +151,13 @@ class JobConfig:
             from parallelisms.parallel_dims import ParallelDims
 
             dims = ParallelDims.from_config(self.parallelism, world_size)
-            if self.parallelism.fsdp_cpu_offload and not (dims.fsdp_enabled or dims.hsdp_enabled):
-                raise ConfigError(f"config error: parallelism.fsdp_cpu_offload: needs FSDP, but the layout on "
-                                  f"{world_size} rank(s) has data_parallel_shard_degree x context_parallel_degree "
-                                  "= 1 and no replicas; use more ranks for FSDP or drop it")
+            fsdp_only = [k for k, on in (("parallelism.fsdp_cpu_offload", self.parallelism.fsdp_cpu_offload),
+                                         ("float8.enable_fsdp_float8_all_gather",
+                                          self.float8.enable and self.float8.enable_fsdp_float8_all_gather)) if on]
+            if fsdp_only and not (dims.fsdp_enabled or dims.hsdp_enabled):
+                raise ConfigError(f"config error: {fsdp_only[0]}: needs FSDP, but the layout on {world_size} "
+                                  "rank(s) has data_parallel_shard_degree x context_parallel_degree = 1 and no "
+                                  "replicas; use more ranks for FSDP or drop it")
 
 
 # The config sections, in --help order: JobConfig's fields (listed once, above).
