@@ -186,6 +186,7 @@ def test_options_that_the_layout_or_the_command_line_would_ignore():
         load_config(["--float8.enable", "true", "--float8.moe_grouped_gemm", "true"])
     assert load_config(["--config", "llama8b.toml"]).data.path == "data/tokens"
     assert load_config(["--config", "llama8b.toml", "--data.type", "synthetic"]).data.path is None
+    assert load_config(["--config", "llama8b.toml", "--data.type", "stream"]).data.path == "data/tokens"
 
 
 def test_nan_in_toml_is_refused(tmp_path):

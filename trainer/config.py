@@ -22,7 +22,7 @@ from parallelisms.float8 import Float8Config
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
-from trainer.data.config import DataConfig
+from trainer.data.config import NEEDS_PATH, DataConfig
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
 from trainer.model_args import MoEConfig, check_hf_export, resolve_model
@@ -260,14 +260,14 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
             # A command-line HF folder replaces the file's model: its name, shape and tokenizer
             # come from the folder (ones given on the command line as well are still checked).
             cfg.model.name = cfg.model.flavor = cfg.model.tokenizer_path = None
-        cli = {(s, k) for s, k, _ in overrides}
-        if ("data", "type") in cli and ("data", "path") not in cli:
-            cfg.data.path = None  # a command-line source type replaces the file's source (e.g. synthetic)
     for section, key, value in overrides:
         if (section, key) == ("job", "config_file"):
             continue
         _check_moved(section, key)
         set_field(getattr(cfg, section), section, key, value, from_cli=True)
+    cli = {(s, k) for s, k, _ in overrides}
+    if ("data", "type") in cli and ("data", "path") not in cli and cfg.data.type not in NEEDS_PATH:
+        cfg.data.path = None  # e.g. --data.type synthetic replaces the file's tokens folder
     cfg.validate(world_size)
     return cfg
 
