@@ -6,7 +6,7 @@ Each case writes OUT_DIR/<name>.rank<R>.json with what it observed; tests/test_f
 asserts on them. Cases: "timeouts" (trainer.distributed on gloo: the train timeout reaches
 sub-groups, a save's longer bound lifts it and puts it back), "async_commit" (an async save is
 committed at the first step boundary where every rank's write is done, not before, and not
-only at the next save).
+only at the next save; a stop asked of one rank reaches both, on the step's loss all-reduce).
 """
 
 from __future__ import annotations
@@ -69,14 +69,25 @@ def async_commit(case: dict, out: Path) -> dict:
         real = ck.write_finished
         if rank == 1:
             ck.write_finished = lambda: False  # rank 1 reports its write as still running
-        ck.step_boundary(trainer.preemption, trainer.device, 2)
+        # The flags ride on the step's loss all-reduce (no collective of their own).
+        result = trainer.train_step(trainer.next_microbatches())
+        ck.step_boundary(result.save_busy, 3)
         dist.barrier()
         seen["after_one_busy_rank"] = [s for s, _ in list_checkpoints(ck.folder)]
+        seen["stop_before_signal"] = result.stop
         ck.write_finished = real
-        ck.step_boundary(trainer.preemption, trainer.device, 3)
+        if rank == 1:
+            trainer.preemption.requested = lambda: True  # only rank 1 is signalled
+        result = trainer.train_step(trainer.next_microbatches())
+        ck.step_boundary(result.save_busy, 4)
         dist.barrier()
         seen["after_all_done"] = [s for s, _ in list_checkpoints(ck.folder)]
         seen["pending_left"] = ck.has_pending()
+        seen["stop_after_signal"] = result.stop
+        result = trainer.train_step(trainer.next_microbatches())  # its flag: no save pending
+        ck.save(5)  # started after the flag was taken: not committed on that flag's behalf
+        ck.step_boundary(result.save_busy, 5)
+        seen["later_save_left_pending"] = ck.has_pending()
     finally:
         trainer.close(destroy_process_group=False)
     return seen

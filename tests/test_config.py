@@ -228,3 +228,26 @@ def test_tp_degree_for_a_model_without_a_tp_plan_is_refused_at_load():
     check_layout(cfg.parallelism, cfg.model_args, seq_len=256, local_batch_size=2, model_spec=cfg.model_spec)
     with pytest.raises(ConfigError, match="parallelism.tensor_parallel_degree: llama3 has no TP plan"):
         check_layout(cfg.parallelism, cfg.model_args, seq_len=256, local_batch_size=2, model_spec=no_plan)
+
+
+@pytest.mark.parametrize("user, expected", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCHINDUCTOR_COMPILE_THREADS": "1"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "TORCHINDUCTOR_COMPILE_THREADS": "4"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "TORCHINDUCTOR_COMPILE_THREADS": "4"}),
+])
+def test_run_train_sh_sets_allocator_and_compile_threads_unless_the_user_did(tmp_path, user, expected):
+    """The environment run_train.sh hands the launcher (a stand-in that records it) on this CPU
+    machine; on a GPU machine TORCHINDUCTOR_COMPILE_THREADS is left alone (no GPU here to test)."""
+    import os
+
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text(f"#!/bin/sh\nenv > {tmp_path / 'env.txt'}\n")
+    launcher.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCHINDUCTOR_COMPILE_THREADS")}
+    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env={**env, **user, "TORCHRUN": str(launcher)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = dict(ln.split("=", 1) for ln in (tmp_path / "env.txt").read_text().splitlines() if "=" in ln)
+    for key, value in expected.items():
+        assert seen.get(key) == value, key

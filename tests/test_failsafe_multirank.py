@@ -43,3 +43,5 @@ def test_async_save_commits_when_every_rank_has_written(observed):
         assert seen["after_one_busy_rank"] == []  # rank 1 still writing: nobody commits
         assert seen["after_all_done"] == [2]  # committed at the next boundary, no further save needed
         assert seen["pending_left"] is False
+        assert seen["stop_before_signal"] is False and seen["stop_after_signal"] is True  # rank 1's signal
+        assert seen["later_save_left_pending"] is True

@@ -80,3 +80,8 @@ def test_router_gate_runs_in_fp32_under_bf16_autocast():
     weights, ids, scores = router_bf16(x)
     assert weights.dtype == scores.dtype == torch.float32
     torch.testing.assert_close(scores, (x.float() @ router_bf16.gate.weight.float().t()).sigmoid())
+    router64 = TopKRouter(64, MoEArgs(num_experts=8, top_k=2)).double()  # fp64 stays fp64 (gradcheck, refs)
+    router64.load_state_dict(router.state_dict())
+    logits64 = router64.gate(x.double())
+    assert logits64.dtype == torch.float64
+    torch.testing.assert_close(logits64, x.double() @ router.gate.weight.double().t(), rtol=1e-12, atol=1e-12)

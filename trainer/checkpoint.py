@@ -6,8 +6,8 @@ rank's loader position, so a resume is bitwise exact. How it reaches disk safely
 point, atomic replacement, checksums, repair after a crash) is trainer/checkpoint_files.py.
 
 Async saves write in a background thread and are committed at the first step boundary
-where every rank's write has finished (`step_boundary`, which rides on the per-step
-preemption all-reduce), not at the next save: a crash after that boundary loses nothing
+where every rank's write has finished (`step_boundary`, whose flag rides on the per-step
+loss all-reduce), not at the next save: a crash after that boundary loses nothing
 that was written.
 
 Every way a checkpoint can be unreadable (missing .metadata, a truncated, empty, deleted
@@ -165,6 +165,7 @@ class Checkpointer:
         self.model_parts, self.optimizers, self.lr_schedulers = model_parts, optimizers, lr_schedulers
         self.dataloader, self.dp_rank = dataloader, dp_rank
         self._pending: _PendingSave | None = None
+        self._flagged: _PendingSave | None = None  # the pending save this step's busy flag is about
         self._saved_step: int | None = None  # the newest full save started (pending or committed)
         self._executor: ThreadPoolExecutor | None = None
         self.last_save_seconds = 0.0
@@ -346,14 +347,19 @@ class Checkpointer:
         self._commit(pending.tmp, pending.final, pending.step, "full", result)
         logger.info(f"checkpoint step-{pending.step} committed (async)")
 
-    def step_boundary(self, preemption, device: torch.device, step: int) -> bool:
-        """Once per step, one all-reduce: whether any rank was asked to stop, and whether every
-        rank's async write is done, in which case it is committed now. Returns `stop`."""
-        stop, all_done = preemption.step_flags(device, busy=self.has_pending() and not self.write_finished())
-        if self._pending is not None and all_done:
+    def boundary_busy_flag(self) -> float:
+        """1.0 while this rank is still writing the pending async save (no collective). The
+        trainer sums it over ranks in the step's loss all-reduce; the save it is about is
+        remembered, so that a save started later in the step is not committed on its behalf."""
+        self._flagged = self._pending
+        return float(self._pending is not None and not self.write_finished())
+
+    def step_boundary(self, any_busy: bool, step: int) -> None:
+        """Once per step: commits the pending async save when no rank was still writing it at
+        this step's all-reduce (`any_busy`, the summed `boundary_busy_flag`)."""
+        if self._pending is not None and self._pending is self._flagged and not any_busy:
             self.commit_pending()
         files.crash_point("step_end", step)
-        return stop
 
     def wait(self) -> None:
         """Finishes and commits a pending async save (before the next save and at close)."""

@@ -1,11 +1,11 @@
 """Graceful preemption: SIGTERM / SIGUSR1 ask the run to stop after the current step.
 
 The handler only sets a flag, so a second signal during the checkpoint save
-changes nothing. Ranks may receive the signal at different times, so
-`step_flags` agrees across ranks with a MAX all-reduce before anyone acts. The same
-all-reduce carries a second flag, "my async checkpoint write is still running", so the
-checkpointer learns at every step boundary, for free, when every rank has finished and
-the save can be committed.
+changes nothing. Ranks may receive the signal at different times, so the flag is
+agreed across ranks before anyone acts: it rides in the all-reduce that every step
+runs anyway for its loss (`Trainer.reduce_loss_and_flags`, summed: > 0 iff some rank
+was asked), next to the checkpointer's "my async write is still running" flag. No
+collective and no host sync of its own.
 
 Under `python -m trainer.launch` (the SLURM path) workers start with SIGUSR1 and
 SIGTERM blocked, so that a signal arriving before this handler exists is held instead
@@ -20,9 +20,6 @@ import json
 import os
 import signal
 import sys
-
-import torch
-import torch.distributed as dist
 
 from trainer.configurable import env_value, global_rank
 
@@ -61,17 +58,6 @@ class PreemptionHandler:
     def requested(self) -> bool:
         """A stop was asked of this rank (tests replace this to stop at a given step)."""
         return self.signal_received is not None
-
-    def step_flags(self, device: torch.device, busy: bool = False) -> tuple[bool, bool]:
-        """(any rank asked to stop, no rank is busy), from one MAX all-reduce."""
-        flags = torch.tensor([float(self.requested()), float(busy)], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, any_busy = flags.tolist()
-        return stop > 0, any_busy == 0
-
-    def should_stop(self, device: torch.device) -> bool:
-        return self.step_flags(device)[0]
 
     def mark_preempted(self, step: int) -> None:
         """Tells a launcher (e.g. the SLURM script) that the run stopped early and should be requeued."""

@@ -75,6 +75,8 @@ class StepResult:
     lr: float
     extra_metrics: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None  # why the step was not applied (trainer/step_guard.py)
+    stop: bool = False  # some rank was asked to stop (preemption), agreed by every rank
+    save_busy: bool = False  # some rank was still writing the pending async save (then it is not committed)
 
 
 class Trainer:
@@ -228,20 +230,17 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         with self.train_context(self.count_global_tokens(batches)):
             loss_sum = self.forward_backward(batches)
-        if self.pp_schedule is not None:
-            # Only the last stage holds the loss; share it along the pipeline so every rank reports it.
-            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
             pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
         lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step's update uses
-        # The logged loss is the global mean over valid tokens (the main head's; MTP depths apart).
-        dp_mesh = self.dims.mesh("dp_cp")
-        if dp_mesh is not None:
-            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+        flags = [float(self.preemption.requested()), self.checkpointer.boundary_busy_flag()]
+        # [loss terms..., stop, busy, norm]: the same on every rank, read in one host sync per step.
+        scalars = torch.cat([self.reduce_loss_and_flags(loss_sum, flags).double(), grad_norm.double().reshape(1)])
+        values = scalars.tolist() if self.guard.enabled else None  # the guard decides before the update
         skipped = None
-        if self.guard.enabled:  # global losses and norm, the same on every rank: one host sync, no collective
-            *losses, norm = torch.cat([loss_sum.double().flatten(), grad_norm.double().reshape(1)]).tolist()
+        if self.guard.enabled:  # global losses and norm, the same on every rank: no collective
+            losses, norm = values[:loss_sum.numel()], values[-1]
             loss = losses[0] if all(math.isfinite(v) for v in losses[1:]) else math.nan  # MTP terms count too
             skipped = self.guard.check(self.step, loss, norm, log=self.rank == 0)
         extra: dict[str, float] = {}
@@ -260,10 +259,26 @@ class Trainer:
                     extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
         if self.guard.total_skipped:
             extra["skipped_steps"] = float(self.guard.total_skipped)
+        values = values or scalars.tolist()
+        losses, (stop, busy), norm = values[:loss_sum.numel()], values[-3:-1], values[-1]
         if self.mtp_depth:
-            extra["mtp_loss"] = loss_sum[1:].mean().item()
-        return StepResult(loss=loss_sum[0].item(), grad_norm=float(grad_norm.item()), lr=lr, extra_metrics=extra,
-                          skipped=skipped)
+            extra["mtp_loss"] = sum(losses[1:]) / self.mtp_depth
+        return StepResult(loss=losses[0], grad_norm=norm, lr=lr, extra_metrics=extra, skipped=skipped,
+                          stop=stop > 0, save_busy=busy > 0)
+
+    def reduce_loss_and_flags(self, loss_sum: torch.Tensor, flags: list[float]) -> torch.Tensor:
+        """[loss terms..., stop, busy] summed over every rank in one all-reduce. The loss is the
+        global mean over valid tokens: the sum of every (pp, dp_cp) coordinate's terms (pipeline
+        ranks without the last stage hold 0; TP ranks hold the same loss, so only TP rank 0's
+        counts), which separate PP and DP all-reduces gave before. A flag summed over ranks is > 0
+        iff some rank raised it: the preemption check and the async-save agreement ride along
+        instead of taking an all-reduce (and a host sync) of their own."""
+        if self.dims.tp_enabled and self.dims.mesh("tp").get_local_rank() != 0:
+            loss_sum = torch.zeros_like(loss_sum)
+        packed = torch.cat([loss_sum, torch.tensor(flags, device=loss_sum.device, dtype=loss_sum.dtype)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        return packed
 
     def train(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.training
@@ -299,9 +314,11 @@ class Trainer:
                 if first_step:
                     tdist.set_collective_timeout(cfg.comm.train_timeout_seconds)
                     first_step = False
-                # One all-reduce: a stop asked of any rank, and whether an async save is written everywhere
-                # (then it is committed now, not at the next save).
-                if not last and self.checkpointer.step_boundary(self.preemption, self.device, self.step):
+                # The step's loss all-reduce also carried a stop asked of any rank, and whether an async
+                # save is written everywhere (then it is committed now, not at the next save).
+                if not last:
+                    self.checkpointer.step_boundary(result.save_busy, self.step)
+                if not last and result.stop:
                     logger.info(f"preemption signal received: saving a checkpoint at step {self.step} and exiting")
                     if cfg.checkpoint.enable:
                         self.checkpointer.save(self.step, force_sync=True)
