@@ -348,15 +348,13 @@ class Checkpointer:
         logger.info(f"checkpoint step-{pending.step} committed (async)")
 
     def boundary_busy_flag(self) -> float:
-        """1.0 while this rank is still writing the pending async save (no collective). The
-        trainer sums it over ranks in the step's loss all-reduce; the save it is about is
-        remembered, so that a save started later in the step is not committed on its behalf."""
+        """1.0 while this rank still writes the pending async save; summed over ranks in the step's
+        loss all-reduce. Remembers the save it is about: a later one is not committed on its behalf."""
         self._flagged = self._pending
         return float(self._pending is not None and not self.write_finished())
 
     def step_boundary(self, any_busy: bool, step: int) -> None:
-        """Once per step: commits the pending async save when no rank was still writing it at
-        this step's all-reduce (`any_busy`, the summed `boundary_busy_flag`)."""
+        """Commits the pending async save if no rank was writing it at this step's all-reduce."""
         if self._pending is not None and self._pending is self._flagged and not any_busy:
             self.commit_pending()
         files.crash_point("step_end", step)
