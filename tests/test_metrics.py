@@ -78,3 +78,28 @@ def test_each_step_once_in_metrics_after_resume(tmp_path):
     sched = LRSchedulerConfig(warmup_steps=2)
     assert [r["lr"] for r in records] == pytest.approx([1e-3 * lr_factor(s - 1, 6, sched) for s in range(1, 7)])
     assert records[0]["lr"] == pytest.approx(1e-3 / 3)
+
+
+def test_expert_load_metrics_only_on_logging_steps(monkeypatch, tmp_path):
+    """The load metrics cost a device-to-host copy: a step that is not logged skips them (the
+    bias update still runs every step)."""
+    import models.deepseek_v3 as ds
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    calls = []
+    real = ds.expert_load_metrics
+    monkeypatch.setattr(ds, "expert_load_metrics", lambda *a: calls.append(1) or real(*a))
+    trainer = Trainer(load_config(["--config", "deepseek_debug.toml", "--data.type", "synthetic", "--training.seq_len",
+                                   "32", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
+                                   "--job.dump_folder", str(tmp_path)]))
+    try:
+        bias = [b.detach().clone() for n, b in trainer.model_parts[0].named_buffers() if n.endswith("expert_bias")]
+        quiet = trainer.train_step(trainer.next_microbatches(), with_metrics=False)
+        assert calls == [] and not any(k.startswith("moe/") for k in quiet.extra_metrics)
+        after = [b for n, b in trainer.model_parts[0].named_buffers() if n.endswith("expert_bias")]
+        assert bias and any(not torch.equal(a, b) for a, b in zip(after, bias))  # the update ran
+        logged = trainer.train_step(trainer.next_microbatches(), with_metrics=True)
+        assert calls == [1] and logged.extra_metrics["moe/max_over_mean"] >= 1.0
+    finally:
+        trainer.close()
