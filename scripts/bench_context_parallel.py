@@ -63,6 +63,7 @@ def _worker(opts) -> int:
 
     from models import MODEL_SPECS
     from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.apply import build_model
     from parallelisms.context_parallel import apply_context_parallel, shard_microbatch
     from parallelisms.context_parallel_comm import comm_recorder
 
@@ -71,7 +72,7 @@ def _worker(opts) -> int:
     torch.manual_seed(0)
     spec = MODEL_SPECS["llama3"]
     args = spec.flavors[opts.flavor]
-    base = spec.model_cls(args)
+    base = build_model(spec, args, "cpu")
     with torch.no_grad():
         base.init_weights(buffer_device=torch.device("cpu"))
     tokens = torch.randint(0, args.vocab_size, (1, opts.seq + 1), generator=torch.Generator().manual_seed(1))

@@ -54,6 +54,7 @@ def bare_step(overrides: list[str]):
     import torch.nn.functional as F
 
     from models import get_model_spec
+    from parallelisms.apply import build_model
     from trainer.config import DEFAULT_TOKENIZER, load_config
     from trainer.data import build_dataloader
     from trainer.data.tokenizer import build_tokenizer
@@ -63,7 +64,7 @@ def bare_step(overrides: list[str]):
     t = cfg.training
     torch.manual_seed(t.seed)
     spec = get_model_spec(cfg.model.name)
-    model = spec.model_cls(spec.flavors[cfg.model.flavor])
+    model = build_model(spec, spec.flavors[cfg.model.flavor], "cpu")
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
                             weight_decay=cfg.optimizer.weight_decay, foreach=True)

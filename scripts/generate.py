@@ -34,18 +34,19 @@ from models.hf_config import HFConfigError  # noqa: E402
 def load_model(checkpoint: str | None, model: str | None = None, flavor: str | None = None,
                device: str = "cpu", hf_path: str | None = None) -> torch.nn.Module:
     """Our model with the weights of an HF folder or a DCP step folder, in eval mode."""
+    from parallelisms.apply import build_model
     from trainer.hf_io import args_from_hf_folder, load_hf_into_model
     from trainer.offline_convert import dcp_model_shapes, infer_model_from_shapes, load_dcp_model_state_dict
 
     path = Path(checkpoint or hf_path)
     if (path / "config.json").is_file():
         spec, args = args_from_hf_folder(hf_path or path)
-        net = spec.model_cls(args)
+        net = build_model(spec, args, "cpu")
         net.init_weights()
         load_hf_into_model([net], path)
     elif (path / ".metadata").is_file():
         spec, _, args = infer_model_from_shapes(dcp_model_shapes(path), model, flavor, hf_path)
-        net = spec.model_cls(args)
+        net = build_model(spec, args, "cpu")
         net.init_weights()
         net.load_state_dict(load_dcp_model_state_dict(path), strict=True)
     else:
