@@ -109,10 +109,6 @@ def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
                           "(no .metadata); point it at a step-N folder, or set initial_load_in_hf for HF weights")
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -389,7 +385,8 @@ class Checkpointer:
         problem = None
         if manifest is not None and self.cfg.verify_on_load:
             names = sorted(manifest["files"])
-            problem = files.verify_files(path, manifest, names[global_rank()::_world()])
+            world = dist.get_world_size() if dist.is_initialized() else 1  # each rank verifies 1/world of the files
+            problem = files.verify_files(path, manifest, names[global_rank()::world])
         problems = [p for p in _all_gather(problem) if p]
         if problems:
             raise self._refuse(path, f"is damaged: {problems[0]}")
