@@ -47,7 +47,7 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes, plain_tensors
+from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from trainer.configurable import ConfigError, check_value, opt
 
@@ -382,14 +382,6 @@ def op_sac_context_fn(*, extra_save_ops: Iterable = (), force_recompute_fqns: It
     policy = OpSAC(ActivationCheckpointConfig(mode="op"), extra_save_ops=extra_save_ops,
                    force_recompute_fqns=force_recompute_fqns)
     return policy.context_fn(block, prefix)
-
-
-_plain_tensors = plain_tensors  # kept for trainer/memory/probes.py
-
-
-def _check_cfg(cfg: ActivationCheckpointConfig, compile_enabled: bool | None = None) -> str:
-    """Kept for parallelisms/compile.py: `cfg.check(compile_enabled)`."""
-    return cfg.check(compile_enabled)
 
 
 _MEASURE_NAMES = ("SavedActivationCounter", "saved_activation_bytes", "cpu_attention_flop_mapping",

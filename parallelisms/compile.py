@@ -93,9 +93,7 @@ def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg, *,
     process-wide setting read when each block is first compiled (at its first call); any
     other mode resets it to 1.0 (save all), so that one process can build models in turn.
     """
-    from parallelisms.activation_checkpoint import _check_cfg
-
-    mode = _check_cfg(ac_cfg, compile_cfg.enable)
+    mode = ac_cfg.check(compile_cfg.enable)
     if not compile_cfg.enable:
         return
     layers = getattr(model, "layers", None)

@@ -358,11 +358,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Finishes and commits a pending async save (before the next save and at close)."""
         if self._pending is not None:
-            try:
-                self._pending.done.result()
-            except (Exception, CheckpointException):  # noqa: BLE001 - reported by commit_pending
-                pass
-            self.commit_pending()
+            self.commit_pending()  # waits for this rank's write; a failed write is reported there
 
     def _purge(self) -> None:
         """keep_latest_k counts full training states only: a model-only export never pushes out

@@ -59,7 +59,7 @@ class StepGuard:
         return None
 
     def _likely_cause(self, reason: str) -> str:
-        lr = f" (now {self.lr:g})" if self.lr is not None else ""
+        lr = f" (optimizer.lr = {self.lr:g}, the peak)" if self.lr is not None else ""
         if reason.startswith("loss spike"):
             return (f"likely the learning rate{lr} or bad data near this step; lower optimizer.lr, or raise "
                     "training.loss_spike_factor")

@@ -275,7 +275,8 @@ class Trainer:
         instead of taking an all-reduce (and a host sync) of their own."""
         if self.dims.tp_enabled and self.dims.mesh("tp").get_local_rank() != 0:
             loss_sum = torch.zeros_like(loss_sum)
-        packed = torch.cat([loss_sum, torch.tensor(flags, device=loss_sum.device, dtype=loss_sum.dtype)])
+        # Filled on the device from Python scalars: a host-to-device copy would sync the stream.
+        packed = torch.cat([loss_sum, *(loss_sum.new_full((1,), f) for f in flags)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
         return packed

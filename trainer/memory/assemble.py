@@ -97,6 +97,21 @@ def assembly_config(cfg, device: str):
     return out
 
 
+def chunked_ce_allowed(cfg) -> bool:
+    """Whether the config's own validators accept `loss.chunked_ce = true` for this layout
+    and model (asked of them, not restated: TP, PP, MTP...)."""
+    from parallelisms.parallel_dims import check_layout
+    from trainer.configurable import ConfigError
+
+    try:
+        check_layout(cfg.parallelism, cfg.model_args, seq_len=cfg.training.seq_len,
+                     local_batch_size=cfg.training.local_batch_size, model_spec=cfg.model_spec, chunked_ce=True)
+        dataclasses.replace(cfg.loss, chunked_ce=True).validate(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int):
     """A fake default process group of `world_size` ranks, this process being `rank`."""
@@ -161,7 +176,7 @@ def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda
         precision = resolve_precision(acfg.training, "cpu", dims.fsdp_mesh() is not None)
         # The chunked-CE head wherever the trainer allows it: called without labels it is the
         # plain Linear (same parameter, same FSDP unit), so both loss paths can be probed.
-        loss_cfg = dataclasses.replace(acfg.loss, chunked_ce=dims.tp == 1 and dims.pp == 1) \
+        loss_cfg = dataclasses.replace(acfg.loss, chunked_ce=chunked_ce_allowed(acfg)) \
             if not acfg.loss.chunked_ce else acfg.loss
         built = build_model_parts(acfg.model_spec, acfg.model_args, dims, acfg, torch.device("cpu"),
                                   prepare=lambda model: install_chunked_ce_head(model, loss_cfg),

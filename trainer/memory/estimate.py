@@ -2,8 +2,8 @@
 
 What is summed, and why in this shape (docs/memory.md has the full table):
 
-- persistent: fp32 parameters, gradients and AdamW's two moments, each at this rank's
-  local size as the assembly holds it (`to_local()` of every parameter after TP, EP
+- persistent: fp32 parameters and AdamW's two moments (gradients are not persistent: they
+  count in the backward phases, where they are allocated), each at this rank's local size as the assembly holds it (`to_local()` of every parameter after TP, EP
   and FSDP); under PP the pipeline rank with the most;
 - FSDP buffers: the gathered units (FSDP's own all-gather sizes, padding included,
   in its compute dtype): the unit running and the one prefetched plus the norm+output
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.memory.assemble import Layout, assemble_rank, default_world_size, resolve_layout
+from trainer.memory.assemble import Layout, assemble_rank, chunked_ce_allowed, default_world_size, resolve_layout
 from trainer.memory.probes import (
     BlockProbe,
     balanced_experts,
@@ -143,7 +143,6 @@ class BlockReadout:
     kind_of: dict  # layer id -> kind
     label_of: dict  # kind -> "mode/dense" or "mode/moe"
     embedding_saved: int
-    part_saved: list  # per part: what its forward keeps once for all its blocks (the RoPE table's cast)
 
 
 def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
@@ -157,14 +156,12 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
     kind_of: dict = {}
     label_of: dict = {}
     embedding_saved = 0
-    part_saved = []
     with rank.fake_mode:
         for part in rank.parts:
             balanced_experts(part)
             use_memory_probes(part)
             # DecoderLM.forward hands the blocks a view of the fp32 RoPE table (no copy).
             rope = part.rope_cache[: layout.token_seq(seq)]
-            part_saved.append(0)
             for i, (key, block) in enumerate(part.layers.items()):
                 lid = int(key)
                 # A stage without the embedding receives the full hidden state (the pipeline
@@ -187,7 +184,7 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
                 with SavedActivationCounter(list(part.tok_embeddings.parameters())) as counter:
                     part.tok_embeddings(tokens)
                 embedding_saved += counter.total_bytes
-    return BlockReadout(probes, kind_of, label_of, embedding_saved, part_saved)
+    return BlockReadout(probes, kind_of, label_of, embedding_saved)
 
 
 def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
@@ -202,12 +199,8 @@ def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
     with rank.fake_mode:
         strip_fsdp(part, part.norm, part.output)
         ours = probe_head(part, chunked=cfg.loss.chunked_ce, **kwargs)
-        other = probe_head(part, chunked=not cfg.loss.chunked_ce, **kwargs) if _chunked_ce_allowed(layout) else None
+        other = probe_head(part, chunked=not cfg.loss.chunked_ce, **kwargs) if chunked_ce_allowed(cfg) else None
     return ours, other
-
-
-def _chunked_ce_allowed(layout: Layout) -> bool:
-    return layout.tp == 1 and layout.pp == 1  # trainer.loss.LossConfig refuses it otherwise
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +297,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     per_block: dict[str, int] = {}
     for kind, label in blocks.label_of.items():
         per_block.setdefault(label, blocks.probes[kind].saved)
-    stage_bytes = [sum(block_saved(i) for i in ids) + extra for ids, extra in zip(stage_layers, blocks.part_saved)]
+    stage_bytes = [sum(block_saved(i) for i in ids) for ids in stage_layers]
     if layout.pp > 1:
         in_flight_units = _in_flight_units(par.pipeline_parallel_schedule, layout.pp,
                                            par.pipeline_parallel_stages_per_rank, n_mb)
@@ -412,7 +405,7 @@ def format_estimate(est: MemoryEstimate) -> str:
         f"  {'logits/loss: peak (' + ('chunked' if est.chunked_ce else 'plain') + ' CE)':<44}"
         f"{fmt_bytes(est.loss_peak):>12}",
         f"  {'logits/loss: peak with chunked CE ' + other:<44}{fmt_bytes(est.loss_peak_other):>12}"
-        + ("  (refused with TP/PP)" if est.loss_peak_other is None else ""),
+        + ("  (refused by the config: TP, PP or MTP)" if est.loss_peak_other is None else ""),
         f"  {'one block backward (recompute + grads)':<44}{fmt_bytes(est.block_backward):>12}",
         f"  {'optimizer step temporaries':<44}{fmt_bytes(est.optimizer_step):>12}",
         "",

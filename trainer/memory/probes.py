@@ -28,11 +28,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-
-def _plain(t: torch.Tensor):
-    from parallelisms.activation_checkpoint import _plain_tensors
-
-    return _plain_tensors(t)
+from parallelisms.ac_sac import plain_tensors
 
 
 def _has_wrapper_subclass(types) -> bool:
@@ -62,7 +58,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live: dict = {}
         # Storages of `existing` (inputs, parameters) are never counted, also when an op
         # first shows them through a view (a checkpoint's detach of its saved input).
-        self._existing = {self._ref(p.untyped_storage()) for t in existing for p in _plain(t)}
+        self._existing = {self._ref(p.untyped_storage()) for t in existing for p in plain_tensors(t)}
         self.current = 0
         self.peak = 0
         self._paused = 0
@@ -231,9 +227,7 @@ def _autocast(dtype: torch.dtype | None):
 @dataclass
 class BlockProbe:
     saved: int  # bytes kept for backward (the AC module's counter)
-    saved_breakdown: dict
     backward_extra: int  # peak live bytes during its backward above what forward left (incl. weight grads)
-    weight_grad_bytes: int  # the block's weight gradients in the compute dtype, this rank's shard
     input_bytes: int  # one residual-stream tensor, this rank's shard
 
 
@@ -269,8 +263,7 @@ def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dty
         tracker.reset_peak()
         out.backward(grad_out)
         peak = tracker.peak
-    return BlockProbe(saved=counter.total_bytes, saved_breakdown=dict(counter.bytes_by_source),
-                      backward_extra=int(peak - after_forward), weight_grad_bytes=tensor_bytes(block.parameters()),
+    return BlockProbe(saved=counter.total_bytes, backward_extra=int(peak - after_forward),
                       input_bytes=x.numel() * x.element_size())
 
 
@@ -279,7 +272,6 @@ class HeadProbe:
     saved: int  # kept for backward by final norm + output + loss
     forward_peak: int  # peak live bytes in its forward (incl. its input hidden state)
     backward_peak: int  # peak in its backward (saved + grads + temporaries, incl. input)
-    after_backward: int  # left alive after backward: its weight grads and the input's grad
     weight_grad_bytes: int
 
 
@@ -317,7 +309,5 @@ def probe_head(part: nn.Module, *, chunked: bool, input_shape: tuple, labels_sha
             loss.backward()
             backward_peak = tracker.peak
             del loss
-            after = tracker.sample()
     return HeadProbe(saved=counter.total_bytes, forward_peak=forward_peak + x_bytes,
-                     backward_peak=backward_peak + x_bytes, after_backward=after,
-                     weight_grad_bytes=tensor_bytes(params))
+                     backward_peak=backward_peak + x_bytes, weight_grad_bytes=tensor_bytes(params))
