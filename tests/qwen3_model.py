@@ -38,13 +38,13 @@ class QKNormAttention(Attention):
         self.q_norm = RMSNorm(self.head_dim, args.qk_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.qk_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.q_norm(self.wq(x).view(bsz, seqlen, -1, self.head_dim))  # [B, S, H, Dh]
         k = self.k_norm(self.wk(x).view(bsz, seqlen, -1, self.head_dim))  # [B, S, Hkv, Dh]
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, Dh]
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask)  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:

@@ -80,6 +80,6 @@ class DecoderLM(nn.Module):
         # and keeps no per-block copy of it for backward (models/common/rope.py).
         mask = None if document_ids is None else DocumentMask(document_ids)
         for block in self.layers.values():
-            h = block(h, rope) if mask is None else block(h, rope, mask=mask)
+            h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

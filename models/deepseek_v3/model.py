@@ -114,8 +114,7 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # Plans may swap `sdpa` for one without masks (CP): pass a mask only when there is one.
-        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # [B, H, S, v_head_dim]
+        out = self.sdpa(q, k, v, mask=mask)  # [B, H, S, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -152,10 +151,8 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, **mask: DocumentMask) -> torch.Tensor:
-        # `mask` (data.document_masking) reaches the attention only when given, so attentions
-        # that take none (a plan's or another model's) keep working.
-        h = x + self.attention(self.attention_norm(x), rope, **mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)  # a keyword: TP plans prepare (x, rope)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -196,14 +193,14 @@ class DeepSeekV3(DecoderLM):
         else:
             h = tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
-        mask = {} if document_ids is None else {"mask": DocumentMask(document_ids)}
+        mask = None if document_ids is None else DocumentMask(document_ids)
         for block in self.layers.values():
-            h = block(h, rope, **mask)
+            h = block(h, rope, mask=mask)
         if self.output is None:
             return (h, *(pipeline_tensor(c) for c in carried))
         hidden = [self.norm(h)]
         for layer, emb in zip(self.mtp.values(), carried):
-            hidden.append(layer(hidden[-1], emb, rope, **mask))
+            hidden.append(layer(hidden[-1], emb, rope, mask=mask))
         return self.output(torch.cat(hidden, dim=0))
 
     def _rope_cache(self) -> torch.Tensor:

@@ -67,11 +67,11 @@ class MTPLayer(nn.Module):
         self.block = block
         self.norm = RMSNorm(dim, norm_eps)
 
-    def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, **mask) -> torch.Tensor:
+    def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         """h_prev, emb: [B, S, D] (previous depth's normed hidden, embeddings of t_{i+k});
         `mask`: the document mask of data.document_masking, if any."""
         h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self.norm(self.block(h, rope, **mask))
+        return self.norm(self.block(h, rope, mask=mask))
 
     def init_weights(self) -> None:
         for norm in (self.enorm, self.hnorm, self.norm):

@@ -37,8 +37,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # Plans may swap `sdpa` for one without masks (CP): pass a mask only when there is one.
-        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # [B, H, S, Dh]
+        out = self.sdpa(q, k, v, mask=mask)  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -57,10 +56,8 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init keeps the residual stream's variance flat in deep models.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, **mask: DocumentMask) -> torch.Tensor:
-        # `mask` (data.document_masking) reaches the attention only when given, so attentions
-        # that take none (a plan's or another model's) keep working.
-        h = x + self.attention(self.attention_norm(x), rope, **mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)  # a keyword: TP plans prepare (x, rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
