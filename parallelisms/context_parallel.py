@@ -295,8 +295,13 @@ def _swap_attention(model: nn.Module, cp_mesh, method: str) -> list[str]:
 def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> list[str]:
     """Swaps every attention core (`SDPA`) of `model` (one model part) for its CP version
     and installs the positions hook; with allgather, MLA's `kv_latent` hook points
-    become `SequenceGather`. Returns the module names replaced."""
+    become `SequenceGather`. MoE layers sum their balance-loss pick counts over CP (each
+    rank holds a slice of every sequence; parallelisms/sequence_shards.py). Returns the
+    module names replaced."""
+    from parallelisms.sequence_shards import add_sequence_shard_mesh
+
     replaced = _swap_attention(model, cp_mesh, method)
+    add_sequence_shard_mesh(model, cp_mesh)
     model.register_forward_pre_hook(_PositionsHook(cp_mesh.size(), cp_mesh.get_local_rank()), with_kwargs=True)
     return replaced
 

@@ -221,26 +221,26 @@ class AddAuxLoss(torch.autograd.Function):
 
 
 def sequence_balance_loss(scores: torch.Tensor, ids: torch.Tensor, bsz: int, num_experts: int,
-                          score_func: str, *, reduction: str = "mean", count_group=None) -> torch.Tensor:
+                          score_func: str, *, reduction: str = "mean", count_reduce=None) -> torch.Tensor:
     """DeepSeek V3's sequence-wise balance loss (without alpha): over sequences, the mean
     (or sum) of sum_i f_i * P_i, f_i = E / (K * S) * #tokens of the sequence picking i,
     P_i = mean over the sequence's tokens of the normalised score of i.
 
-    `count_group` (sequence parallel): each rank holds a slice of every sequence. The
-    pick counts (no gradient) are summed over the group, so f_i is the whole sequence's,
-    and P_i is this rank's partial sum over its tokens / S; summed over the group (as the
-    router's gradient is) the loss and its gradient are those of the whole sequences."""
+    `count_reduce` (context parallel, sequence parallel): each rank holds a slice of every
+    sequence. It maps the [B, E] pick counts (no gradient) to (their sum over the ranks
+    holding the other slices, the number of slices), so f_i is the whole sequence's, and
+    P_i is this rank's partial sum over its tokens / S; summed over the slices (as the
+    router's gradient is) the loss and its gradient are those of the whole sequences
+    (parallelisms/sequence_shards.py)."""
     n, k = ids.shape
     seq = n // bsz
     probs = scores / scores.sum(dim=-1, keepdim=True) if score_func == "sigmoid" else scores
     picks = torch.zeros(bsz, num_experts, device=ids.device, dtype=probs.dtype)
     picks.scatter_add_(1, ids.view(bsz, seq * k), torch.ones(bsz, seq * k, device=ids.device, dtype=probs.dtype))
     full_seq = seq
-    if count_group is not None:
-        import torch.distributed._functional_collectives as funcol
-
-        picks = funcol.all_reduce(picks, "sum", count_group)
-        full_seq = seq * count_group.size()
+    if count_reduce is not None:
+        picks, slices = count_reduce(picks)
+        full_seq = seq * slices
     p = probs.view(bsz, seq, num_experts).sum(dim=1) / full_seq  # [B, E]
     f = picks * (num_experts / (k * full_seq))
     per_seq = (f * p).sum(dim=-1)
@@ -279,10 +279,10 @@ class MoE(nn.Module):
         self.token_dispatcher = None
         # Balance-loss normalisation: 1 / sequences per optimizer step over all ranks (set by
         # the trainer through `set_aux_loss_sequences`); None = the mean over this forward's
-        # sequences. `aux_loss_count_group`: set by a sequence-parallel TP plan (see
-        # `sequence_balance_loss`).
+        # sequences. `aux_loss_count_reduce`: installed by the CP plan and a sequence-parallel
+        # TP plan, whose ranks hold slices of each sequence (see `sequence_balance_loss`).
         self.aux_loss_scale: float | None = None
-        self.aux_loss_count_group = None
+        self.aux_loss_count_reduce = None
 
     # ---- steps (each one a seam for EP) ----
     def route(self, x: torch.Tensor):
@@ -329,7 +329,7 @@ class MoE(nn.Module):
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
             aux = (self.args.aux_loss_coeff * scale) * sequence_balance_loss(
                 scores, ids, bsz, self.num_experts, self.args.score_func, reduction="sum",
-                count_group=self.aux_loss_count_group)
+                count_reduce=self.aux_loss_count_reduce)
             with torch.no_grad():
                 self.aux_loss.copy_(aux.detach())
             out = AddAuxLoss.apply(out, aux)

@@ -24,8 +24,9 @@ DTensors with plain tensors.
   replicated and each TP rank computes them whole; shared experts are column/row-wise.
   EP with TP but without SP is refused (see parallelisms/expert_parallel.py).
 - The sequence balance loss under SP: each rank routes its own sequence shard; the pick
-  counts are summed over TP (`MoE.aux_loss_count_group`), so the loss is that of whole
-  sequences and its router gradient, summed over TP, that of one rank.
+  counts are summed over TP (`parallelisms.sequence_shards`, installed here; the CP plan
+  adds its own mesh), so the loss is that of whole sequences and its router gradient,
+  summed over TP, that of one rank.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallelisms import tensor_parallel as tp
 from parallelisms.expert_parallel import expert_parallel_fn
+from parallelisms.sequence_shards import add_sequence_shard_mesh
 from parallelisms.tensor_parallel import ReplicateParallel
 
 
@@ -170,7 +172,7 @@ def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
         att.wkv_a.register_forward_hook(_sum_rope_key_grad_hook(att.kv_lora_rank, tp_mesh.get_group()))
         if block.moe_enabled and sp:
             # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
-            block.moe.aux_loss_count_group = tp_mesh
+            add_sequence_shard_mesh(block.moe, tp_mesh)
             if ep <= 1:
                 # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
                 block.moe.experts.partial_grad_over_replicate = True

@@ -1,0 +1,55 @@
+"""Sequence-shard reduction of the MoE balance loss's pick counts.
+
+DeepSeek V3's sequence-wise balance loss needs, per sequence, how many of its tokens
+picked each expert (f_i) and the mean score of each expert over the sequence (P_i).
+Context parallelism (each CP rank holds S / cp tokens of every sequence) and sequence
+parallel TP (each TP rank a further 1 / tp of those) leave a rank with only a slice of
+each sequence. The plans of those parallelisms install a `SequenceShardCounts` on every
+MoE layer (`MoE.aux_loss_count_reduce`): it sums the [B, E] pick counts over their
+meshes, so f_i is the whole sequence's, and tells the layer how many slices there are,
+so that P_i becomes this rank's partial sum over the whole length. Summed over the
+slices (as FSDP sums the router's gradient over dp_shard x cp, and DTensor over TP) the
+loss and its gradient are those of whole sequences on one rank. The model keeps only
+the seam; it knows nothing of meshes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+
+class SequenceShardCounts:
+    """counts [B, E] -> (counts summed over every mesh holding other slices of the same
+    sequences, number of slices). Called by `MoE.forward` (no gradient flows through counts)."""
+
+    def __init__(self) -> None:
+        self.meshes: list = []
+
+    @property
+    def slices(self) -> int:
+        n = 1
+        for mesh in self.meshes:
+            n *= mesh.size()
+        return n
+
+    def __call__(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        for mesh in self.meshes:  # one [B, E] all-reduce per mesh: cp, then tp
+            counts = funcol.all_reduce(counts, "sum", mesh)
+        return counts, self.slices
+
+
+def add_sequence_shard_mesh(model: nn.Module, mesh) -> int:
+    """Every MoE layer of `model` (one model part) sums its balance-loss counts over `mesh`
+    too (a CP mesh, or the TP mesh under sequence parallel). Returns the layers touched."""
+    from models.common.moe import MoE
+
+    touched = 0
+    for module in model.modules():
+        if isinstance(module, MoE):
+            if module.aux_loss_count_reduce is None:
+                module.aux_loss_count_reduce = SequenceShardCounts()
+            module.aux_loss_count_reduce.meshes.append(mesh)
+            touched += 1
+    return touched
