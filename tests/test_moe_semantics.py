@@ -84,3 +84,25 @@ def test_sequence_aux_loss_under_cp_equals_one_rank(name, cp_runs):
           f"{max(_rel(got['grads'][k], ref['grads'][k]) for k in router):.2e})")
     assert loss <= TOL, (got["losses"], ref["losses"])
     assert grad <= TOL
+
+
+def _biases(trainer) -> list[torch.Tensor]:
+    return [b.clone() for part in trainer.model_parts for n, b in part.named_buffers() if n.endswith("expert_bias")]
+
+
+@pytest.mark.timeout(300)
+def test_bias_update_counts_training_forwards_only(tmp_path):
+    """Validation forwards do not feed the expert loads: the routing bias after 3 steps is
+    the same with validation every step and without it (issue 19: it was not)."""
+    toml = tmp_path / "ds_val.toml"
+    toml.write_text((Path(__file__).parent.parent / "train_configs" / "deepseek_debug.toml").read_text()
+                    + '\n[[validation.sources]]\ntype = "synthetic"\n')
+    common = ["--moe.aux_loss_coeff", "0", "--training.steps", "3", "--validation.freq", "1",
+              "--validation.steps", "2"]
+    _, off = run_in_process(ds_args(tmp_path / "off", *common, "--config", str(toml)))
+    _, on = run_in_process(ds_args(tmp_path / "on", *common, "--config", str(toml), "--validation.enable", "true"))
+    assert on.validator is not None and off.validator is None
+    before, after = _biases(off), _biases(on)
+    assert len(before) == 5 and any(b.abs().sum() > 0 for b in before)  # the bias moved
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(m.training for part in on.model_parts for m in part.modules())  # train mode after validation

@@ -3,10 +3,12 @@
 The split is either its own sources (`validation.sources`, same tables as data.sources)
 or the last `holdout` fraction of every training source's windows, which training then
 never sees. Each evaluation reads the same `steps` batches per rank from the start of
-the split (so successive values are comparable), runs the forward only under no_grad,
-and reduces the summed token loss and the token count over dp and CP (each CP rank holds
-its own chunks of every sequence, cut as in training): val/loss is the mean over all valid
-tokens, val/perplexity its exp.
+the split (so successive values are comparable), runs the forward only under no_grad
+and in eval mode (MoE layers then leave out its tokens from the expert loads that drive
+the next routing-bias update: that update sees training forwards only), and reduces the
+summed token loss and the token count over dp and CP (each CP rank holds its own chunks
+of every sequence, cut as in training): val/loss is the mean over all valid tokens,
+val/perplexity its exp.
 
 The forward is the trainer's: `model_loss_sum(trainer, inputs, labels)` calls the model
 (or, under pipeline parallelism, the schedule's forward-only `eval`, the loss arriving
@@ -17,6 +19,7 @@ training.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -105,7 +108,7 @@ class Validator:
             from parallelisms.context_parallel import shard_microbatch
 
             prepare = lambda x, y: shard_microbatch(x, y, trainer.dims.mesh("cp"))  # noqa: E731
-        with trainer.metrics.paused():
+        with trainer.metrics.paused(), eval_mode(trainer.model_parts):
             metrics = self.run(lambda x, y: model_loss_sum(trainer, x, y), trainer.device, prepare=prepare)
         if trainer.is_logging_rank:
             logger.info(f"validation {trainer.step:>6} | val/loss {metrics['val/loss']:8.4f} | "
@@ -131,6 +134,19 @@ class Validator:
             total, count = stacked[0], stacked[1]
         loss = (total / count.clamp_min(1)).item()
         return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 700.0))}
+
+
+@contextlib.contextmanager
+def eval_mode(parts):
+    """The model parts in eval mode for the duration (train mode again after, as training left them)."""
+    modes = [(m, m.training) for part in parts for m in part.modules()]
+    for part in parts:
+        part.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def model_loss_sum(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

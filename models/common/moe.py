@@ -255,7 +255,8 @@ class MoE(nn.Module):
 
     Buffers:
       expert_bias       [E] fp32, persistent (checkpointed): selection-only score bias.
-      tokens_per_expert [E] int64, non-persistent: picks counted since the last bias update.
+      tokens_per_expert [E] int64, non-persistent: picks of the train-mode forwards since the
+                        last bias update (validation runs in eval mode: not counted).
       aux_loss          [] fp32, non-persistent: last forward's share of the balance loss
                         (detached, with its coefficient and normalisation), for logging; 0
                         when aux_loss_coeff is 0.
@@ -316,10 +317,13 @@ class MoE(nn.Module):
         x_flat = x.reshape(-1, dim)
         weights, ids, scores = self.route(x_flat)
         routed_input, num_tokens_per_expert, order = self.permute(x_flat, ids)
-        with torch.no_grad():
-            # Under activation checkpointing the recompute counts again; the bias update
-            # uses only sign(mean - count) per layer, which a uniform factor leaves alone.
-            self.tokens_per_expert.add_(num_tokens_per_expert)
+        if self.training:
+            # Only train-mode forwards feed the bias update: the validator runs the model in
+            # eval mode (trainer/validation.py). Under activation checkpointing the recompute
+            # counts again; the update uses only sign(mean - count), which a uniform factor
+            # leaves alone.
+            with torch.no_grad():
+                self.tokens_per_expert.add_(num_tokens_per_expert)
         routed_output = self.run_experts(routed_input, num_tokens_per_expert)
         out = self.unpermute(routed_output, order, weights)
         if self.shared_experts is not None:
