@@ -240,6 +240,33 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     return out
 
 
+def duplicate_key_hint(path: Path, message: str) -> str:
+    """For tomllib's "Cannot overwrite a value (at line L, column C)", which names no key:
+    "; the key is training.steps, set before on line K". Empty when that cannot be told."""
+    import re
+
+    found = re.search(r"Cannot overwrite a value \(at line (\d+), column \d+\)", message)
+    if not found:
+        return ""
+    lines = path.read_text(errors="replace").splitlines()
+    target, table, seen = int(found.group(1)), "", {}
+    for number, line in enumerate(lines[:target], start=1):
+        text = line.strip()
+        header = re.fullmatch(r"\[\[?\s*([^\]]+?)\s*\]\]?(\s*#.*)?", text)
+        if header:
+            table = header.group(1)
+            continue
+        if "=" not in text or text.startswith("#"):
+            continue
+        name = ".".join(part.strip().strip("\"'") for part in text.split("=", 1)[0].split("."))
+        full = f"{table}.{name}" if table else name
+        if number == target:
+            before = f", set before on line {seen[full]}" if full in seen else ""
+            return f"; the key is {full}{before}"
+        seen[full] = number
+    return ""
+
+
 def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
     """Builds the root config from defaults, the TOML file and the CLI, then validates it
     (the layout against `world_size` too, when given)."""
@@ -253,7 +280,8 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
             with open(path, "rb") as f:
                 table = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config error: {path} is not valid TOML: {e}") from None
+            raise ConfigError(f"config error: {path} is not valid TOML: {e}{duplicate_key_hint(path, str(e))}") \
+                from None
         _apply_table(cfg, table, str(path))
         cfg.job.config_file = str(path)
         if any((s, k) == ("model", "hf_path") for s, k, _ in overrides):
@@ -274,7 +302,8 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
 
 def help_text() -> str:
     lines = ["usage: ./run_train.sh [--config NAME.toml] [--dry-run] [--section.key value ...]", "",
-             "Precedence: defaults < TOML file < command line. Booleans accept true/false; lists are comma-separated.",
+             "Precedence: defaults < TOML file < command line. Booleans accept true/false; lists are comma-separated, "
+             "or a TOML inline array (\"[{path='/d/a', weight=0.7}, {path='/d/b', weight=0.3}]\").",
              ""]
     for name, cls in SECTIONS.items():
         lines.append((cls.__doc__ or f"[{name}]").strip())

@@ -97,7 +97,9 @@ def coerce(key: str, tp, value: Any, from_cli: bool) -> Any:
         raise bad
     if typing.get_origin(base) is list:
         (item_tp,) = typing.get_args(base)
-        if from_cli and isinstance(value, str):
+        if from_cli and isinstance(value, str) and value.strip().startswith("["):
+            value = toml_inline_array(key, value)  # e.g. "[{path='/d/a', weight=0.7}, {path='/d/b'}]"
+        elif from_cli and isinstance(value, str):
             # Nested lists on the CLI: ";" separates the outer items, "," the inner ones.
             sep = ";" if typing.get_origin(item_tp) is list else ","
             value = [v.strip() for v in value.split(sep) if v.strip()]
@@ -107,6 +109,23 @@ def coerce(key: str, tp, value: Any, from_cli: bool) -> Any:
     if base is typing.Any:
         return value
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def toml_inline_array(key: str, text: str) -> list:
+    """A command-line list written as a TOML inline array (how a list of tables such as
+    data.sources is given on the CLI), parsed as TOML would parse it in a file; then the
+    field's own checks apply as for a file. A malformed one is one ConfigError naming `key`."""
+    import tomllib
+
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        reason = str(e).split(" (at line")[0]
+        raise ConfigError(f"config error: {key}: malformed TOML inline array {text!r} ({reason}); write e.g. "
+                          "\"[{path='/d/a', weight=0.7}, {path='/d/b', weight=0.3}]\" (strings quoted)") from None
+    if not isinstance(value, list):  # e.g. "[1] x" fails above; belt and braces
+        raise ConfigError(f"config error: {key}: expected a TOML inline array, got {text!r}")
+    return value
 
 
 def check_value(key: str, f: dataclasses.Field, value: Any) -> None:

@@ -87,7 +87,8 @@ class DataConfig:
     split: str | None = opt(None, "Split of a datasets DatasetDict folder (default: train).")
     sources: list[Any] = opt([], "A weighted mixture: [[data.sources]] tables with path and weight (and optionally "
                              "type, name, text_field, split); replaces data.type/data.path. On the command line: "
-                             "comma-separated paths, weight 1 each.")
+                             "a TOML inline array (\"[{path='/d/a', weight=0.7}, {path='/d/b', weight=0.3}]\") "
+                             "or comma-separated paths, weight 1 each.")
     num_workers: int = opt(0, "DataLoader worker processes per rank (streaming sources tokenize in them).", min=0)
     document_masking: bool = opt(False, "Block-causal attention inside each packed window (no attention across "
                                  "documents) and RoPE positions restarting at each document.")
