@@ -1,5 +1,6 @@
 """CUDA-only code paths, checked on CPU where the decision is made in Python: NCCL's eager
-start-up with device_id; the host reads of an EP MoE step (which sync a GPU)."""
+start-up with device_id; the host reads of an EP MoE step (which sync a GPU); async checkpoint
+staging into cached host buffers."""
 
 from __future__ import annotations
 
@@ -43,3 +44,39 @@ def test_expert_parallel_reads_the_host_once_per_moe_layer_and_never_in_the_reco
     assert reads["moe_layers"] == 2
     assert reads["forward"] == {"tolist": 2}, reads
     assert set(reads["backward"]) <= {"tolist"}, reads  # no hidden sync in the recompute or the backward
+
+
+def test_async_saves_stage_into_the_same_host_buffers_and_write_the_right_bytes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from tests.helpers import TINY
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    trainer = Trainer(load_config(TINY + ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "1",
+                                          "--checkpoint.async_mode", "async", "--job.dump_folder", str(tmp_path)]))
+    ck, seen = trainer.checkpointer, {}
+    original_save = ck.save
+
+    def save(step, **kw):
+        original_save(step, **kw)
+        if ck._stager is not None and step not in seen:
+            expected = {"model": {k: v.detach().clone() for k, v in ck._model_state().items()},
+                        "optimizer": {k: v.detach().clone() for k, v in ck._optimizer_state().items()
+                                      if isinstance(v, torch.Tensor)}}
+            seen[step] = ({k: b.data_ptr() for k, b in ck._stager._buffers.items()}, ck._stager.allocations, expected)
+
+    ck.save = save
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    (ptrs1, alloc1, _), (ptrs2, alloc2, expected2) = seen[1], seen[2]
+    assert alloc1 == len(ptrs1) > 10 and alloc2 == alloc1  # the second save allocated nothing
+    assert ptrs2 == ptrs1  # ... and staged into the first save's storages
+    assert not any(b.is_pinned() for b in ck._stager._buffers.values())  # pinned only for copies from a GPU
+    loaded = {part: {k: torch.zeros_like(v) for k, v in sd.items()} for part, sd in expected2.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "checkpoint" / "step-2"))
+    for part, sd in expected2.items():  # step-2 bytes on disk: the state at step 2, not a later one
+        assert sd.keys() == loaded[part].keys()
+        assert all(torch.equal(sd[k], loaded[part][k]) for k in sd), part
