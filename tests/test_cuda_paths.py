@@ -1,6 +1,6 @@
 """CUDA-only code paths, checked on CPU where the decision is made in Python: NCCL's eager
 start-up with device_id; the host reads of an EP MoE step (which sync a GPU); async checkpoint
-staging into cached host buffers."""
+staging into cached host buffers; compiled CP attention without a mask."""
 
 from __future__ import annotations
 
@@ -80,3 +80,37 @@ def test_async_saves_stage_into_the_same_host_buffers_and_write_the_right_bytes(
     for part, sd in expected2.items():  # step-2 bytes on disk: the state at step 2, not a later one
         assert sd.keys() == loaded[part].keys()
         assert all(torch.equal(sd[k], loaded[part][k]) for k in sd), part
+
+
+def test_compiled_cp_attention_on_cuda_builds_no_mask_and_matches_eager(monkeypatch):
+    """Under torch.compile, CP's prefix attention takes flex attention with a lower-right
+    BlockMask on CUDA (decided by `flex_under_compile`, forced here: flex has no CPU backward,
+    so forward only). No [q, k] mask is built, and the result equals eager SDPA with the mask;
+    the BlockMask equals create_block_mask's, ragged tiles included."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from parallelisms import context_parallel as cp
+
+    built = []
+    monkeypatch.setattr(cp, "flex_under_compile", lambda device: True)
+    real_mask = cp.lower_right_mask
+    monkeypatch.setattr(cp, "lower_right_mask", lambda *a: built.append(a) or real_mask(*a))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 128, 24, generator=g)
+    k, v = torch.randn(2, 2, 384, 24, generator=g), torch.randn(2, 2, 384, 16, generator=g)  # GQA, MLA's Dv
+    with torch.no_grad():
+        out = torch.compile(cp.attend_prefix, backend="eager", fullgraph=True)(q, k, v, 0.3)
+        visible = torch.ones(128, 384, dtype=torch.bool).tril(256)
+        ref = F.scaled_dot_product_attention(q, k, F.pad(v, (0, 8)), attn_mask=visible, scale=0.3,
+                                             enable_gqa=True)[..., :16]
+    assert built == []  # never a mask
+    assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
+    for q_len, k_len in ((128, 384), (100, 300), (256, 256)):
+        new = cp.lower_right_block_mask(q_len, k_len, torch.device("cpu"))
+        old = create_block_mask(lambda b, h, qi, ki: ki <= qi + (k_len - q_len), None, None, q_len, k_len,
+                                device="cpu")
+        assert torch.equal(new.to_dense(), old.to_dense()), (q_len, k_len)
+        assert torch.equal(new.full_kv_num_blocks, old.full_kv_num_blocks), (q_len, k_len)
+    monkeypatch.undo()
+    assert cp.flex_under_compile(torch.device("cuda", 0)) and not cp.flex_under_compile(torch.device("cpu"))
