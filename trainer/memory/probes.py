@@ -193,8 +193,9 @@ class BalancedDispatch:
         order = torch.arange(m, device=routed_input.device)  # the regroup permutation [m]
         base, extra = divmod(m, self.num_local)
         counts = torch.tensor([base + (i < extra) for i in range(self.num_local)], dtype=torch.int64)
-        received = routed_input.index_select(0, order % n) if m > n else routed_input.clone()
-        out = experts(received.index_select(0, order), counts)
+        # The dispatch buffer is a temporary (not held while the experts run), as in the real dispatcher.
+        out = experts((routed_input.index_select(0, order % n) if m > n else routed_input.clone())
+                      .index_select(0, order), counts)
         return out.index_select(0, order)[:n].clone()
 
 
