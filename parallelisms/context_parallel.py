@@ -103,8 +103,9 @@ def lower_right_mask(q_len: int, k_len: int, dtype: torch.dtype, device: torch.d
     modes off, so that op-level SAC never sees it (creating the tensor subclass under its
     mode fails, and a cache hit must not change the ops the recompute replays).
 
-    Under torch.compile (which traces neither the cache nor `CausalBias`) a boolean mask
-    is built inside the graph instead: q_len x k_len bytes per call, on any device."""
+    Under torch.compile (which traces neither the cache nor `CausalBias`) CUDA runs flex
+    attention instead (`attend_prefix`, no mask at all); only CPU builds a boolean mask
+    inside the graph (q_len x k_len bytes per call: flex has no CPU backward in torch 2.13)."""
     if torch.compiler.is_compiling():
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
     from torch.utils._python_dispatch import _disable_current_modes
@@ -124,6 +125,45 @@ def lower_right_mask(q_len: int, k_len: int, dtype: torch.dtype, device: torch.d
         return _CPU_MASKS[key]
 
 
+FLEX_BLOCK = 128  # flex attention's tile
+
+
+def flex_under_compile(device: torch.device) -> bool:
+    """Whether compiled CP attention runs flex (CUDA) rather than SDPA with a bool mask (CPU)."""
+    return device.type == "cuda"
+
+
+def lower_right_block_mask(q_len: int, k_len: int, device: torch.device):
+    """The flex BlockMask of lower-right causal attention (query i sees keys <= i + k_len -
+    q_len), from tile bounds: [q_len / 128, k_len / 128] tiles, never a [q_len, k_len] mask.
+    A kv tile is full when its last key is visible to the q tile's first query, partial when
+    only its first key is visible to the q tile's last query (ragged edge tiles are partial)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    offset = k_len - q_len
+    q_start = torch.arange(-(-q_len // FLEX_BLOCK), device=device) * FLEX_BLOCK
+    k_start = torch.arange(-(-k_len // FLEX_BLOCK), device=device) * FLEX_BLOCK
+    q_end = torch.clamp_max(q_start + FLEX_BLOCK - 1, q_len - 1)
+    k_end = torch.clamp_max(k_start + FLEX_BLOCK - 1, k_len - 1)
+    full = k_end[None, :] <= q_start[:, None] + offset  # [nq, nk]
+    if q_len % FLEX_BLOCK:
+        full[-1, :] = False
+    if k_len % FLEX_BLOCK:
+        full[:, -1] = False
+    partial = (k_start[None, :] <= q_end[:, None] + offset) & ~full
+
+    def sparse(tiles: torch.Tensor):
+        # [1, 1, nq] counts and [1, 1, nq, nk] indices, the listed tiles first in ascending order.
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True)
+        return tiles.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    def lower_right(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return BlockMask.from_kv_blocks(*sparse(partial), *sparse(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=lower_right,
+                                    seq_lengths=(q_len, k_len))
+
+
 def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                   memory_probe: bool = False) -> torch.Tensor:
     """Causal attention of the last q.shape[2] positions of a prefix over all k.shape[2]
@@ -132,7 +172,17 @@ def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     `memory_probe` (the memory estimator, on fake tensors only): a top-left causal call
     instead, which keeps for backward exactly what CUDA's mask-free lower-right kernel
-    keeps (q, k, v, out, logsumexp), without the CPU mask; its values are not used."""
+    keeps (q, k, v, out, logsumexp), without the CPU mask; its values are not used.
+
+    Under torch.compile on CUDA: flex attention with a lower-right BlockMask, traced into the
+    block's graph (GQA and Dv != Dqk natively, no padding, no [q, k] mask). SDPA with a bool
+    mask would fall back to the math kernel there (flash refuses masks, the efficient kernel
+    GQA), which materialises [q, k] scores: an OOM at 128k."""
+    if torch.compiler.is_compiling() and not memory_probe and flex_under_compile(q.device):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        block_mask = lower_right_block_mask(q.shape[2], k.shape[2], q.device)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     pad = q.shape[-1] - v.shape[-1]
     if pad > 0:
         v = F.pad(v, (0, pad))

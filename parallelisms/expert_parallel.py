@@ -43,6 +43,12 @@ the experts would count them tp times; that layout is refused (`ConfigError`).
 Activation checkpointing: the op-level policy saves `_c10d_functional.all_to_all_single`
 (counts and rows), so the recompute sends nothing; full AC re-runs the exchange, which
 every rank does at the same point of the backward.
+
+Host syncs: one per MoE layer per forward, the `.tolist()` of the split sizes, which the
+uneven all-to-all needs on the host. Nothing else reads the device: `repeat_interleave`
+gets its output size from those splits. Under op AC the recompute reuses the saved split
+list (the `.tolist()` result is kept by the policy), so it reads nothing
+(tests/test_cuda_paths.py counts them).
 """
 
 from __future__ import annotations
@@ -102,9 +108,11 @@ class ExpertParallelDispatcher:
 
         received = all_to_all_single_autograd(routed_input, received_per_peer, send, self.group)
 
-        # (peer, local expert) order -> (local expert, peer) order.
+        # (peer, local expert) order -> (local expert, peer) order. output_size: without it the
+        # kernel reads sum(recv) back to the host (a hidden sync per MoE layer, and again in
+        # the AC recompute); the total is already known from the splits.
         local_ids = torch.arange(n_local, device=recv.device).repeat(ep)
-        row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1))
+        row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(received_per_peer))
         order = torch.argsort(row_expert, stable=True)
         rows = received.index_select(0, order)
         local_counts = recv.sum(dim=0)

@@ -4,6 +4,7 @@ grads within 1e-6), for Llama (GQA) and DeepSeek (MLA + MoE); composes with TP, 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,73 @@ def test_dense_and_flex_masks_agree_on_cpu_forward():
     assert mask.block is None and mask.dense.shape == (2, 1, 32, 32)
     with pytest.warns(UserWarning, match="without torch.compile"):  # eager flex: fine for a forward check
         flex = flex_attention(q, k, v, block_mask=DocumentMask(ids, backend="flex").block)
+    assert torch.allclose(dense, flex, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq", [384, 300])  # whole tiles, and a ragged last tile
+def test_block_mask_from_tile_ranges_equals_create_block_mask(seq):
+    """The BlockMask is built from each 128-row tile's document range (no [S, S] tensor): the
+    same partial and full tiles, in the same order, as create_block_mask over the mask_mod."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from models.common.attention import DocumentMask
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50, (3, seq), generator=g)
+    tokens[0, torch.randperm(seq, generator=g)[:3]] = BOS  # a few documents
+    tokens[1] = 5  # one document over every tile: full tiles below the diagonal
+    tokens[2, ::37] = BOS  # many short ones
+    ids = document_inputs(tokens, BOS)["document_ids"]
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    ref = create_block_mask(block_causal, 3, None, seq, seq, device="cpu")
+    new = DocumentMask(ids, backend="flex").block
+    assert new.seq_lengths == ref.seq_lengths and new.BLOCK_SIZE == ref.BLOCK_SIZE
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        counts = getattr(ref, num)
+        assert torch.equal(getattr(new, num), counts), num
+        assert all(torch.equal(getattr(new, idx)[b, 0, i, :c], getattr(ref, idx)[b, 0, i, :c])
+                   for b in range(3) for i, c in enumerate(counts[b, 0].tolist())), idx
+    assert ref.full_kv_num_blocks[1].sum() > 0 == ref.full_kv_num_blocks[2].sum()  # both kinds of tile occur
+
+
+def test_one_mask_per_forward_and_flex_gets_v_unpadded(monkeypatch):
+    """The model builds the mask once per forward (not per layer); flex attention takes MLA's
+    Dv < Dqk as is, with the dense path's result."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import models.common.attention as attention
+
+    builds = []
+    dense_fn = attention._block_causal_dense
+    monkeypatch.setattr(attention, "_block_causal_dense", lambda doc: builds.append(doc.shape) or dense_fn(doc))
+    model = _model("deepseek_v3", "debug")
+    assert len(model.layers) >= 2
+    tokens = torch.randint(0, model.tok_embeddings.num_embeddings, (2, 40))
+    tokens[:, [0, 17]] = BOS
+    with torch.no_grad():
+        model(tokens, **document_inputs(tokens, BOS))
+    assert builds == [(2, 40)]
+
+    seen_v = []
+
+    def eager_flex(q, k, v, **kw):  # eager flex (CPU): fine for a forward check
+        seen_v.append(v.shape)
+        return flex_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: eager_flex)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 40, 24, generator=g) for _ in range(2))
+    v = torch.randn(2, 4, 40, 16, generator=g)
+    ids = document_inputs(tokens, BOS)["document_ids"]
+    dense = attention.SDPA()(q, k, v, mask=attention.DocumentMask(ids, backend="sdpa"))
+    with warnings.catch_warnings():  # eager flex warns (once per process) that it is for debugging
+        warnings.simplefilter("ignore", UserWarning)
+        flex = attention.SDPA()(q, k, v, mask=attention.DocumentMask(ids, backend="flex"))
+    assert seen_v == [(2, 4, 40, 16)] and flex.shape == dense.shape == (2, 4, 40, 16)
     assert torch.allclose(dense, flex, atol=1e-5)
 
 

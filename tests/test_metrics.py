@@ -17,7 +17,11 @@ from trainer.metrics import MetricsConfig, MetricsLogger, attention_flops_per_to
     ("NVIDIA H100 PCIe", 756e12),     # before: 989e12 (substring "H100")
     ("NVIDIA H100 NVL", 835e12),      # before: 989e12
     ("NVIDIA GH200 480GB", 989e12),   # before: matched by the "H200" entry
-    ("NVIDIA H200", 989e12),
+    ("NVIDIA H200", 989e12),          # SXM
+    ("NVIDIA H200 NVL", 835.5e12),    # before: 989e12 (taken for the SXM part)
+    ("NVIDIA H20", 148e12),           # before: unknown; not an H200
+    ("NVIDIA GB200", 2500e12),        # before: unknown
+    ("NVIDIA H800 PCIe", 756e12),
     ("NVIDIA L40", 181e12),           # before: 121e12 (substring "L4")
     ("NVIDIA L40S", 362e12),
     ("NVIDIA L4", 121e12),
@@ -27,7 +31,8 @@ from trainer.metrics import MetricsConfig, MetricsLogger, attention_flops_per_to
     ("NVIDIA B200", 2250e12),
     ("AMD Instinct MI300X", 1307e12),
     ("NVIDIA GeForce RTX 4090", None),  # unknown: MFU n/a, said once
-    ("NVIDIA A10", None),               # not an A100, not an A10G
+    ("NVIDIA A10", 125e12),             # not an A100, not an A10G
+    ("NVIDIA RTX A6000", None),
 ])
 def test_peak_flops_by_exact_device_model(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import checkpoint_files as files
 from trainer.checkpoint_files import CheckpointError, choose_resume, list_checkpoints, refusal  # noqa: F401
+from trainer.checkpoint_staging import CachedStager
 from trainer.configurable import ConfigError, global_rank, opt
 from trainer.distributed import collective_timeout, exempt_from_train_timeout
 
@@ -164,6 +165,7 @@ class Checkpointer:
         self._flagged: _PendingSave | None = None  # the pending save this step's busy flag is about
         self._saved_step: int | None = None  # the newest full save started (pending or committed)
         self._executor: ThreadPoolExecutor | None = None
+        self._stager = None  # trainer/checkpoint_staging.py: cached (pinned on CUDA) host buffers
         self.last_save_seconds = 0.0
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one probe per node (node-local or shared disks)
             check_checkpoint_paths(cfg, dump_folder)
@@ -267,7 +269,9 @@ class Checkpointer:
             raise self._save_failed(tmp, step, e) from None
 
     def _start_async(self, state: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
-        future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=self._async_pg)
+        self._stager = self._stager or CachedStager()  # host buffers allocated once, reused by every save
+        future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=self._async_pg,
+                                async_stager=self._stager)
         rank = global_rank()
 
         def finish() -> dict[str, dict]:

@@ -39,7 +39,11 @@ def init_distributed(device: torch.device, timeout_s: int) -> str | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id on CUDA: NCCL creates the default communicator now (eagerly, bound to this
+        # GPU) instead of at the first collective, so an init failure shows here, and the mesh's
+        # sub-groups are split from it (ncclCommSplit) rather than each bootstrapped anew.
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     _timeout_s = timeout_s
     return backend
 

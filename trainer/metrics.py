@@ -42,14 +42,24 @@ import torch
 logger = logging.getLogger("trainer")
 
 # Dense (no sparsity) bf16 peak FLOP/s per device model; per form factor where they differ.
-# Sources: the vendors' datasheets (sparsity figures halved).
+# Sources: the vendors' datasheets, whose tensor-core figures are "with sparsity": halved here.
+#   H100 / H800: SXM 1,979 / PCIe 1,513 / NVL 1,671 TF sparse (nvidia.com/en-us/data-center/h100).
+#   H200: SXM 1,979 / NVL 1,671 TF sparse (nvidia.com/en-us/data-center/h200): the NVL board runs
+#     at a lower clock and power (600 W), so it is not an SXM part. GH200: the H100 SXM die.
+#   H20 (the China-market Hopper): 148 TF dense bf16 (NVIDIA's H20 product brief).
+#   B200 (HGX B200): 36 PF sparse per 8 GPUs = 2.25 PF dense per GPU. GB200 (NVL72): 360 PF
+#     sparse per 72 GPUs = 2.5 PF dense per GPU (higher clocks than HGX B200).
+#   A100 / A800: 312 TF dense. A10: 125 TF dense. L40S 362 / L40 181 / L4 121 TF dense.
+#   MI300X / MI325X: 1,307 TF dense bf16 (amd.com Instinct datasheets).
 PEAK_BF16_FLOPS: dict[str, float | dict[str | None, float]] = {
     "H100": {"PCIe": 756e12, "NVL": 835e12, None: 989e12},  # None: SXM and HBM3 boards
     "H800": {"PCIe": 756e12, None: 989e12},
-    "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
-    "A100": 312e12, "A800": 312e12,
+    "H200": {"NVL": 835.5e12, None: 989e12},  # None: SXM ("NVIDIA H200")
+    "GH200": 989e12, "H20": 148e12,
+    "B200": 2250e12, "GB200": 2500e12,
+    "A100": 312e12, "A800": 312e12, "A10": 125e12,
     "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
-    "MI300X": 1307e12,
+    "MI300X": 1307e12, "MI325X": 1307e12,
 }
 _VENDOR_WORDS = {"nvidia", "amd", "instinct", "tesla", "radeon"}
 _unknown_warned: set[str] = set()

@@ -237,7 +237,12 @@ class Trainer:
         flags = [float(self.preemption.requested()), self.checkpointer.boundary_busy_flag()]
         # [loss terms..., stop, busy, norm]: the same on every rank, read in one host sync per step.
         scalars = torch.cat([self.reduce_loss_and_flags(loss_sum, flags).double(), grad_norm.double().reshape(1)])
-        values = scalars.tolist() if self.guard.enabled else None  # the guard decides before the update
+        # The guard decides on the device where the optimizers are fused (the update is launched
+        # before the host read); otherwise the host read moves before the update.
+        on_device = self.guard.enabled and self.guard.decides_on_device(self.optimizers)
+        if on_device:
+            self.guard.step_on_device(self.optimizers, self.guard.skip_flag(scalars, loss_sum.numel()))
+        values = scalars.tolist() if self.guard.enabled else None
         skipped = None
         if self.guard.enabled:  # global losses and norm, the same on every rank: no collective
             losses, norm = values[:loss_sum.numel()], values[-1]
@@ -245,8 +250,9 @@ class Trainer:
             skipped = self.guard.check(self.step, loss, norm, log=self.rank == 0)
         extra: dict[str, float] = {}
         if skipped is None:
-            for opt in self.optimizers:
-                opt.step()
+            if not on_device:
+                for opt in self.optimizers:
+                    opt.step()
             for sched in self.lr_schedulers:
                 sched.step()
             if self.cfg.float8.enable:  # the next forward's float8 weight scales, in one all-reduce

@@ -15,7 +15,8 @@ document) makes attention block-causal, so no token attends across a document
 boundary. The model builds it once per forward from a tensor it is given (so pipeline
 schedules split it per microbatch like any input) and hands the same object to every
 layer's `sdpa(..., mask=...)`. On CUDA the mask is a flex-attention BlockMask (only
-the blocks that hold allowed pairs are computed); elsewhere, and where flex attention
+the blocks that hold allowed pairs are computed), built from each 128-row tile's
+document range in O((S/128)^2), never an [S, S] tensor; elsewhere, and where flex attention
 is unavailable, a dense [B, 1, S, S] boolean mask for SDPA (flex attention's backward
 does not run on CPU in torch 2.13).
 """
@@ -34,7 +35,8 @@ class SDPA(nn.Module):
     the padded output channels are dropped: SDPA's fused kernels (flash on CPU and
     CUDA) need equal head dims, and only the math backend (an [S, S] score matrix)
     takes unequal ones. The padding is exact: zero channels of v produce zero output
-    channels and do not change the softmax.
+    channels and do not change the softmax. Flex attention (document masking on CUDA)
+    takes Dv != Dqk, so v is not padded there.
     """
 
     def __init__(self, scale: float | None = None):
@@ -43,14 +45,14 @@ class SDPA(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: "DocumentMask | None" = None) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]
+        if mask is not None and mask.block is not None:  # flex takes Dv != Dqk: no padding
+            return _compiled_flex()(q, k, v, block_mask=mask.block, scale=self.scale, enable_gqa=gqa)
         pad = q.shape[-1] - v.shape[-1]
         if pad > 0:
             v = F.pad(v, (0, pad))
-        gqa = k.shape[1] != q.shape[1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        elif mask.block is not None:
-            out = _compiled_flex()(q, k, v, block_mask=mask.block, scale=self.scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=self.scale, enable_gqa=gqa)
         return out[..., : out.shape[-1] - pad] if pad > 0 else out
@@ -78,13 +80,49 @@ def _block_causal_dense(doc: torch.Tensor) -> torch.Tensor:
     return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
 
 
+FLEX_BLOCK = 128  # flex attention's default tile (rows and columns of one mask block)
+
+
 def _block_causal_block_mask(doc: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The flex BlockMask of block-causal attention, built from the document ranges of each
+    128 x 128 tile, without evaluating the mask over [S, S] (`create_block_mask` in eager mode
+    materialises [B, 1, S, S] int64 intermediates: GBs at 16k; compiled, it costs a compile).
+    `document_ids` are non-decreasing along the sequence with steps of 1 (a cumsum of document
+    starts), so a tile's documents are the range [first row's, last row's]. A tile below the
+    diagonal holds an allowed pair iff the q and kv ranges overlap, and is full iff both are
+    the same single document; a diagonal tile is always partial. Partial tiles run the mask_mod
+    per element, so the result equals create_block_mask's (tests/test_document_masking.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bsz, seq = doc.shape
+    n = -(-seq // FLEX_BLOCK)
+    starts = torch.arange(n, device=doc.device) * FLEX_BLOCK
+    first = doc[:, starts]  # [B, n]: each tile's first document
+    last = doc[:, torch.clamp_max(starts + FLEX_BLOCK - 1, seq - 1)]  # [B, n]: its last
+    q_first, q_last = first[:, :, None], last[:, :, None]  # [B, nq, 1]
+    k_first, k_last = first[:, None, :], last[:, None, :]  # [B, 1, nk]
+    below = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril(-1)  # kv tile before q tile
+    diagonal = torch.eye(n, dtype=torch.bool, device=doc.device)
+    overlap = (q_first <= k_last) & (k_first <= q_last)  # [B, nq, nk]
+    full = below & (q_first == q_last) & (k_first == k_last) & (q_first == k_first)
+    # The ragged last tile (S % 128 != 0) is partial: its mask_mod pads past S.
+    if seq % FLEX_BLOCK:
+        full[:, -1, :] = False
+        full[:, :, -1] = False
+    partial = ((below & overlap) | diagonal) & ~full
+
+    def sparse(blocks: torch.Tensor):
+        # [B, 1, nq] counts and [B, 1, nq, nk] indices, the listed tiles first in ascending order.
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
     def block_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-    return create_block_mask(block_causal, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
+    kv_num, kv_idx = sparse(partial)
+    full_num, full_idx = sparse(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=block_causal, seq_lengths=(seq, seq))
 
 
 def _flex_available() -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.memory.assemble import Layout, assemble_rank, chunked_ce_allowed, default_world_size, resolve_layout
+from trainer.memory.device_overhead import GpuOverheads, gpu_overhead_terms, nccl_communicators
 from trainer.memory.probes import (
     BlockProbe,
     balanced_experts,
@@ -67,6 +68,8 @@ class MemoryEstimate:
     optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params)
     phases: dict = field(default_factory=dict)  # step phase -> bytes above the persistent state
     notes: list = field(default_factory=list)
+    # CUDA only: what the GPU spends beyond tensors (trainer/memory/device_overhead.py)
+    device_terms: dict = field(default_factory=dict)
 
     @property
     def persistent(self) -> int:
@@ -82,6 +85,12 @@ class MemoryEstimate:
         return self.persistent + self.step_peak
 
     @property
+    def device_total(self) -> int:
+        """`total` plus the device terms (CUDA context, NCCL, fragmentation, EP imbalance):
+        what must fit in the GPU's memory. Equals `total` off CUDA."""
+        return self.total + sum(self.device_terms.values())
+
+    @property
     def saved_activations(self) -> int:
         """Everything kept for backward in one microbatch's forward (blocks + head/loss)."""
         return self.activations + self.loss_saved
@@ -89,7 +98,7 @@ class MemoryEstimate:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(persistent=self.persistent, step_peak=self.step_peak, total=self.total,
-                 saved_activations=self.saved_activations)
+                 saved_activations=self.saved_activations, device_total=self.device_total)
         return d
 
 
@@ -145,9 +154,10 @@ class BlockReadout:
     embedding_saved: int
 
 
-def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
+def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0) -> BlockReadout:
     """Probes every distinct block of this rank's parts (same local parameter shapes, AC
-    mode and input), and what the embedding keeps."""
+    mode and input), and what the embedding keeps. `receive_factor`: EP ranks receive that
+    many times the balanced rows (the busiest rank of a skewed routing)."""
     from parallelisms.activation_checkpoint import SavedActivationCounter, block_mode
 
     seq = cfg.training.seq_len
@@ -158,7 +168,7 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
     embedding_saved = 0
     with rank.fake_mode:
         for part in rank.parts:
-            balanced_experts(part)
+            balanced_experts(part, receive_factor)
             use_memory_probes(part)
             # DecoderLM.forward hands the blocks a view of the fp32 RoPE table (no copy).
             rope = part.rope_cache[: layout.token_seq(seq)]
@@ -246,8 +256,9 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
 
 
 def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda", gpus_per_node: int = 8,
-                    config_name: str = "") -> MemoryEstimate:
-    """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks."""
+                    config_name: str = "", overheads: GpuOverheads | None = None) -> MemoryEstimate:
+    """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks.
+    On CUDA, `overheads` (default `GpuOverheads()`) gives the device terms beyond tensors."""
     from trainer.configurable import ConfigError
     from trainer.model_args import model_label
 
@@ -276,10 +287,15 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         with assemble_rank(cfg, world, pp_rank=pp_rank, device=device) as rank:
             per_rank.append(read_params(rank.parts))
             if pp_rank == 0:
+                communicators = nccl_communicators()
                 precision, stage_layers, dtype = rank.precision, rank.stage_layer_ids, rank.stream_dtype
                 blocks = probe_blocks(rank, cfg, layout, mb)
             if heads is None and any(p.output is not None for p in rank.parts):
                 heads = probe_heads(rank, cfg, layout, mb)
+    ov, skewed = overheads or GpuOverheads(), None
+    if device == "cuda" and layout.ep > 1 and ov.ep_imbalance > 1:  # rank 0 again, its EP ranks skewed
+        with assemble_rank(cfg, world, pp_rank=0, device=device) as rank:
+            skewed = probe_blocks(rank, cfg, layout, mb, ov.ep_imbalance)
     heavy = max(per_rank, key=lambda r: r.param_bytes)
     p_bytes = heavy.param_bytes
     opt_states = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
@@ -360,6 +376,17 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         notes.append(f"model.mtp_depth {cfg.model.mtp_depth}: the MTP modules' parameters are counted, their "
                      "activations and extra logits are not")
 
+    device_terms: dict[str, int] = {}
+    if device == "cuda":
+        ep_extra = 0
+        if skewed is not None:  # the busiest EP rank: its MoE blocks keep more, its backward needs more
+            skew = {lid: skewed.probes[skewed.kind_of[lid]] for lid in layers_rank0}
+            base = {lid: blocks.probes[blocks.kind_of[lid]] for lid in layers_rank0}
+            ep_extra = sum(max(0, skew[lid].saved - base[lid].saved) for lid in layers_rank0)
+            ep_extra += max((max(0, skew[lid].backward_extra - base[lid].backward_extra) for lid in layers_rank0),
+                            default=0)
+        tensor_peak = (p_bytes + optimizer) + max(phases.values())
+        device_terms = gpu_overhead_terms(tensor_peak, communicators=communicators, ep_extra=ep_extra, overheads=ov)
     compute = str(autocast or dtype).replace("torch.", "") + (" (autocast)" if autocast else "")
     return MemoryEstimate(
         config=config_name, model=model_label(cfg), world_size=world, layout=layout,
@@ -369,7 +396,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
         block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
-        notes=notes)
+        notes=notes, device_terms=device_terms)
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -415,5 +442,9 @@ def format_estimate(est: MemoryEstimate) -> str:
         mark = "  <- peak" if v == est.step_peak else ""
         lines.append(f"    {k:<42}{fmt_bytes(v):>12}{mark}")
     lines += ["", f"  {'TOTAL (estimated peak per rank)':<44}{fmt_bytes(est.total):>12}"]
+    if est.device_terms:
+        lines.append("  beyond tensors, on the GPU (trainer/memory/device_overhead.py):")
+        lines += [f"    {k:<42}{fmt_bytes(v):>12}" for k, v in est.device_terms.items()]
+        lines.append(f"  {'TOTAL on the GPU (tensors + the above)':<44}{fmt_bytes(est.device_total):>12}")
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)

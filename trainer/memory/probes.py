@@ -176,31 +176,36 @@ def use_memory_probes(part: nn.Module) -> None:
 
 class BalancedDispatch:
     """Stands in for `ExpertParallelDispatcher` in probes, with balanced routing: this
-    rank receives as many rows as it sends, spread evenly over its E/ep local experts.
-    It makes the buffers the real dispatcher makes, at those sizes: the received rows
-    (dispatch all-to-all), their copy regrouped by local expert, the rows put back in
-    order, and the returned rows (combine all-to-all)."""
+    rank receives as many rows as it sends (times `receive_factor`: the busiest rank of a
+    skewed routing, for the estimator's EP imbalance term), spread evenly over its E/ep
+    local experts. It makes the buffers the real dispatcher makes, at those sizes: the
+    received rows (dispatch all-to-all), their copy regrouped by local expert, the rows put
+    back in order, and the returned rows (combine all-to-all)."""
 
-    def __init__(self, num_local: int):
+    def __init__(self, num_local: int, receive_factor: float = 1.0):
         self.num_local = num_local
+        self.receive_factor = receive_factor
 
     def __call__(self, experts: nn.Module, routed_input: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         n = routed_input.shape[0]
-        order = torch.arange(n, device=routed_input.device)  # the regroup permutation [n]
-        base, extra = divmod(n, self.num_local)
+        m = max(n, round(n * self.receive_factor))  # rows received
+        order = torch.arange(m, device=routed_input.device)  # the regroup permutation [m]
+        base, extra = divmod(m, self.num_local)
         counts = torch.tensor([base + (i < extra) for i in range(self.num_local)], dtype=torch.int64)
-        out = experts(routed_input.clone().index_select(0, order), counts)
-        return out.index_select(0, order).clone()
+        # The dispatch buffer is a temporary (not held while the experts run), as in the real dispatcher.
+        out = experts((routed_input.index_select(0, order % n) if m > n else routed_input.clone())
+                      .index_select(0, order), counts)
+        return out.index_select(0, order)[:n].clone()
 
 
-def balanced_experts(part: nn.Module) -> None:
+def balanced_experts(part: nn.Module, receive_factor: float = 1.0) -> None:
     """Replaces every EP dispatcher in `part` by a `BalancedDispatch` (in place)."""
     from models.common.moe import MoE
 
     for m in part.modules():
         if isinstance(m, MoE) and m.token_dispatcher is not None:
-            m.token_dispatcher = BalancedDispatch(m.token_dispatcher.num_local)
+            m.token_dispatcher = BalancedDispatch(m.token_dispatcher.num_local, receive_factor)
 
 
 class GroupedMMInFp32(TorchDispatchMode):
