@@ -148,7 +148,8 @@ class BlockReadout:
 def probe_blocks(rank, cfg, layout: Layout, mb: int) -> BlockReadout:
     """Probes every distinct block of this rank's parts (same local parameter shapes, AC
     mode and input), and what the embedding keeps."""
-    from parallelisms.activation_checkpoint import SavedActivationCounter, block_mode
+    from parallelisms.ac_measure import SavedActivationCounter
+    from parallelisms.activation_checkpoint import block_mode
 
     seq = cfg.training.seq_len
     dtype = rank.stream_dtype
