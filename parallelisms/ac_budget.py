@@ -218,6 +218,7 @@ class BudgetChoice:
     kept_bytes: int  # input + pinned + chosen candidates
     recompute_flops: int  # what the recompute re-runs (force-recompute matmuls included)
     total_flops: int  # of every op the recompute of full AC re-runs
+    keep_ids: frozenset = frozenset()  # `keep` as {(id(op), index)}: what the per-op check reads
 
     def describe(self, calibration: BlockCalibration) -> str:
         names = [f"{c.op}#{c.index}" for c in calibration.candidates if c.key in self.keep]
@@ -235,7 +236,8 @@ def choose(calibration: BlockCalibration, budget_mib: float | None, fraction: fl
     total = sum(c.value for c in cands + calibration.forced)
     kept = calibration.input_bytes + calibration.pinned_bytes + sum(cands[i].nbytes for i in picked)
     return BudgetChoice(frozenset(cands[i].key for i in picked), budget, kept,
-                        total - sum(cands[i].value for i in picked), total)
+                        total - sum(cands[i].value for i in picked), total,
+                        frozenset((id(cands[i].op), cands[i].index) for i in picked))
 
 
 # ---------------------------------------------------------------------------
@@ -306,7 +308,7 @@ class BudgetSAC(OpSAC):
         call.op_kind = "candidate"
         if call.choice is None:
             return P.PREFER_RECOMPUTE, "RECOMPUTE", "budget: measuring this block"
-        if (str(func), call.index) in call.choice.keep:
+        if (id(func), call.index) in call.choice.keep_ids:  # (ints: no OpOverload hash, no str)
             return P.MUST_SAVE, "SAVE", "budget"
         return P.PREFER_RECOMPUTE, "RECOMPUTE", ""
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import fnmatch
 import re
 import weakref
-from collections import defaultdict
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
 from parallelisms.ac_trace import trace
@@ -33,6 +33,9 @@ from parallelisms.ac_trace import trace
 # Objects with `add(obj, source)` that want every tensor the SAC cache keeps
 # (ac_measure.SavedActivationCounter registers itself while it is active).
 SAC_CACHE_LISTENERS: list = []
+
+_MUST_SAVE = CheckpointPolicy.MUST_SAVE
+_SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 def plain_tensors(t: torch.Tensor):
@@ -165,66 +168,87 @@ class OpSACPolicy:
 
     One instance serves one checkpointed call of one block (the context_fn builds a
     fresh one on every call, so its counts reset per call). It holds the per-call state
-    (the matmul count per pass, the module scope) and asks its `rules` (an `OpSAC`, or
-    the default one) to `decide` each op. The matmul count is keyed on
+    (the matmul count per pass, the module scope) and asks its `rules` (an
+    `activation_checkpoint.OpSAC`) to `decide` each op. The matmul count is keyed on
     `ctx.is_recompute`: torch releases that call the policy again in the recompute then
     start that pass from zero too, so both passes agree even with an odd matmul count.
     (torch 2.13 only calls it in the forward.)
+
+    Why the hot path is shaped this way: the policy runs in Python once per aten op of
+    every block's forward, so its per-op work is CPU launch time on a GPU. Decisions that
+    depend on the op alone are made once per block, not once per call: `table` (shared
+    by every call of one wrapped block) maps `id(op)` to the verdict, or to None for the
+    rules' `dynamic_ops`, which are decided per call. Ops are looked up by `id` because an
+    `OpOverload`'s `__hash__` is Python code. Our caching mode (`make_sac_modes`) calls
+    `forward_op` with torch's own invocation index, so no context object is built.
     """
 
-    def __init__(self, save_ops: frozenset, *, scope: ModuleScope | None = None, trace: bool = False,
-                 explicit_save_ops: frozenset = frozenset(), rules=None, info: dict | None = None):
+    def __init__(self, save_ops: frozenset, *, rules, scope: ModuleScope | None = None, trace: bool = False,
+                 explicit_save_ops: frozenset = frozenset(), info: dict | None = None, table: dict | None = None):
+        if rules is None:
+            raise TypeError("OpSACPolicy needs its rules (an activation_checkpoint.OpSAC)")
         self.info = info or {}  # what the rules noted about the block (OpSAC.block_info)
         self.save_ops = save_ops
         self.explicit_save_ops = frozenset(op_key(op) for op in explicit_save_ops)
         self.scope = scope
         self.trace = trace
         self.rules = rules
+        self.table = {} if table is None else table
         self.mm_count = {False: 0, True: 0}
-        # Per pass and op: its invocation index, as torch's SAC storage keys its entries.
-        self.op_index: dict = {False: defaultdict(int), True: defaultdict(int)}
+        # Per pass, id(op) -> invocation index (for the public policy-function path).
+        self._counts: tuple[dict, dict] = ({}, {})
         self.index = 0  # of the op being decided
         self.last_mm: tuple | None = None  # (op, index, saved?) of the latest matmul in the forward
         self.skipped: list = []  # (op, index, Placeholder) for the "SKIP" verdicts
-        self._static: dict = {}
         self.compiled: bool | None = None  # known at the first op
-        if rules is not None:
-            rules.start_call(self)
+        hook = type(rules).observe
+        self._observe = None if getattr(hook, "_no_op", False) else rules.observe
+        rules.start_call(self)
+
+    def _entry(self, func, args, out) -> tuple:
+        """(func, static decision or None, is a matmul) for `func`, made once per block."""
+        entry = self.table.get(id(func))
+        if entry is None or entry[0] is not func:
+            rules, key = self.rules, op_key(func)
+            static = None
+            if rules.cache_decisions and key not in rules.dynamic_ops:
+                static = rules.decide(self, func, False, args, out)
+            entry = self.table[id(func)] = (func, static, key in MATMUL_OPS)
+        return entry
 
     def decide(self, func, is_recompute: bool, args=(), out=None):
-        """(CheckpointPolicy, verdict, note) for one op; advances the matmul count.
-        Decisions that depend on the op alone are remembered for the rest of the call
-        (a block runs each element-wise op many times; the policy runs in Python)."""
-        known = self._static.get(func)
-        if known is not None:
-            return known
-        if self.rules is None:  # a policy function built on its own: the default op-level rules
-            from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC
-            self.rules = OpSAC(ActivationCheckpointConfig(mode="op"))
-        decision = self.rules.decide(self, func, is_recompute, args, out)
-        if self.rules.cache_decisions and op_key(func) not in self.rules.dynamic_ops:
-            self._static[func] = decision
-        return decision
+        """(CheckpointPolicy, verdict, note) for one op (`self.index` is its invocation
+        index); advances the matmul count."""
+        static = self._entry(func, args, out)[1]
+        return static if static is not None else self.rules.decide(self, func, is_recompute, args, out)
 
-    def __call__(self, ctx, func, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy as P
-        is_recompute = bool(getattr(ctx, "is_recompute", False))
-        self.index = self.op_index[is_recompute][func]
-        self.op_index[is_recompute][func] += 1
-        out = getattr(ctx, "op_output", None)
-        policy, verdict, note = self.decide(func, is_recompute, args, out)
+    def forward_op(self, func, index: int, args, kwargs, out, is_recompute: bool = False):
+        """The policy for one op (its `index`-th call in this pass); notes what `finish`
+        and the rules need."""
+        self.index = index
+        _, static, is_mm = self._entry(func, args, out)
+        policy, verdict, note = static if static is not None else \
+            self.rules.decide(self, func, is_recompute, args, out)
         if self.trace:
             trace(func, verdict, note)
         if not is_recompute:
             if self.compiled is None:
                 self.compiled = tracing_for_compile()
-            if op_key(func) in MATMUL_OPS:
-                self.last_mm = (func, self.index, policy is P.MUST_SAVE)
+            if is_mm:
+                self.last_mm = (func, index, policy is _MUST_SAVE)
             if verdict == "SKIP" and isinstance(out, torch.Tensor):
-                self.skipped.append((func, self.index, Placeholder(out)))
-            if self.rules is not None:
-                self.rules.observe(self, func, args, kwargs, out, policy)
+                self.skipped.append((func, index, Placeholder(out)))
+            if self._observe is not None:
+                self._observe(self, func, args, kwargs, out, policy)
         return policy
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        # The public policy-function API (torch's own modes, e.g. under compile).
+        is_recompute = bool(getattr(ctx, "is_recompute", False))
+        counts = self._counts[is_recompute]
+        index = counts.get(id(func), 0)
+        counts[id(func)] = index + 1
+        return self.forward_op(func, index, args, kwargs, getattr(ctx, "op_output", None), is_recompute)
 
     def finish(self, storage) -> None:
         """Called when the checkpointed forward ends, with torch's SAC storage.
@@ -261,7 +285,7 @@ class OpSACPolicy:
 # ---------------------------------------------------------------------------
 
 def make_sac_modes(policy) -> tuple:
-    """create_selective_checkpoint_contexts(policy), with three additions in eager mode:
+    """create_selective_checkpoint_contexts(policy), with four additions in eager mode:
 
     - runtime ops bypass the cache (on torch 2.13 the recompute replays the cache by
       per-op index without calling the policy, so an op that only one pass runs must
@@ -269,7 +293,10 @@ def make_sac_modes(policy) -> tuple:
     - when the forward ends, `policy.finish(storage)` may release cache entries that
       the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
     - a cache entry that is a `Placeholder` is answered in the recompute with an empty
-      tensor of the recorded shape instead of running the op (its value is never read).
+      tensor of the recorded shape instead of running the op (its value is never read);
+    - a policy with `forward_op` (an `OpSACPolicy`) is called with torch's invocation
+      index, and each op's kind is looked up by `id` (see `_op_kind`): the same cache,
+      with less Python per op. While torch.compile traces, torch's own code runs.
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     fwd, rec = create_selective_checkpoint_contexts(policy)
@@ -277,6 +304,7 @@ def make_sac_modes(policy) -> tuple:
         cls = _MODE_CLASSES.get(type(mode))
         if cls is not None:
             mode.__class__ = cls
+    fwd.forward_op = getattr(policy, "forward_op", None)
     return fwd, rec
 
 
@@ -302,9 +330,38 @@ def kept_tensors(storage) -> list[torch.Tensor]:
     return out
 
 
+# What the modes do with an op, by id(op) (see `_op_kind`).
+_PLAIN, _BYPASS, _GENERIC = 0, 1, 2
+_OP_KINDS: dict[int, tuple] = {}
+
+
+def _op_kind(func, ignored) -> int:
+    """_BYPASS for the ops that never reach the cache (torch's `SAC_IGNORED_OPS`, runtime
+    ops), _PLAIN for the other `OpOverload`s (their storage key is the op itself), and
+    _GENERIC for anything else (HOPs, whose key torch computes from the arguments)."""
+    known = _OP_KINDS.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
+    if func in ignored or is_runtime_op(func):
+        kind = _BYPASS
+    else:
+        kind = _PLAIN if isinstance(func, torch._ops.OpOverload) else _GENERIC
+    _OP_KINDS[id(func)] = (func, kind)
+    return kind
+
+
 def _mode_classes() -> dict:
     try:
-        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode, _is_compiling
+        from torch.utils.checkpoint import (
+            _CONSUMED,
+            _RECOMPUTE,
+            SAC_IGNORED_OPS,
+            _CachedTorchDispatchMode,
+            _CachingTorchDispatchMode,
+            _detach_helper,
+            _is_compiling,
+            _VersionWrapper,
+        )
     except ImportError:  # pragma: no cover - older torch: the policy's PREFER_RECOMPUTE still applies
         return {}
     try:
@@ -312,12 +369,34 @@ def _mode_classes() -> dict:
     except ImportError:  # pragma: no cover
         def _sac_storage_key(func, args):
             return func
+    from torch.utils._pytree import tree_map
+
+    def _wrap(x):
+        return _VersionWrapper(_detach_helper(x))
 
     class _Caching(_CachingTorchDispatchMode):
+        forward_op = None
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if is_runtime_op(func) and not _is_compiling(func, args, kwargs):
+            if _is_compiling(func, args, kwargs):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            kind = _op_kind(func, SAC_IGNORED_OPS)
+            if kind == _BYPASS:
                 return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if kind == _GENERIC or self.forward_op is None:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            # torch's caching step for an OpOverload, with our policy called directly.
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            counter = self.func_counter
+            index = counter[func]
+            counter[func] = index + 1
+            policy = self.forward_op(func, index, args, kwargs, out)
+            if policy in _SAVE_POLICIES:
+                self.storage[func][index] = _wrap(out) if isinstance(out, torch.Tensor) else tree_map(_wrap, out)
+            else:
+                self.storage[func][index] = _RECOMPUTE
+            return out
 
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)
@@ -327,14 +406,26 @@ def _mode_classes() -> dict:
 
     class _Cached(_CachedTorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if is_runtime_op(func) and not _is_compiling(func, args, kwargs):
+            if _is_compiling(func, args, kwargs):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            kind = _op_kind(func, SAC_IGNORED_OPS)
+            if kind == _BYPASS:
                 return func(*args, **(kwargs or {}))
-            key = _sac_storage_key(func, args)
-            entry = self.storage.get(key, {}).get(self.func_counter[key])
-            if isinstance(entry, Placeholder):
-                self.func_counter[key] += 1
+            key = func if kind == _PLAIN else _sac_storage_key(func, args)
+            index = self.func_counter[key]
+            entries = self.storage.get(key)
+            entry = None if entries is None else entries.get(index)
+            if entry is None or entry is _CONSUMED:  # torch raises its own error
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            self.func_counter[key] = index + 1
+            if entry is _RECOMPUTE:
+                return func(*args, **(kwargs or {}))
+            if type(entry) is Placeholder:
                 return entry.make()
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            entries[index] = _CONSUMED
+            if type(entry) is _VersionWrapper:
+                return entry.get_val(self.allow_cache_entry_mutation)
+            return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
 
     return {_CachingTorchDispatchMode: _Caching, _CachedTorchDispatchMode: _Cached}
 

@@ -23,7 +23,8 @@ Public surface
 Op sets live in `ac_ops`, the AC_TRACE diagnostics in `ac_trace`, the glue with torch's
 SAC internals in `ac_sac`. The exact byte and FLOP counters (`SavedActivationCounter`,
 `saved_activation_bytes`, `flop_counter`, ...) live in `ac_measure`, which the training
-path does not import; they are re-exported here lazily for existing callers.
+path does not import. Imports go one way: ac_ops, ac_trace <- ac_sac <- this module <-
+ac_budget, ac_measure (tests/test_layering.py checks that none of them imports back).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy as P
 
 from parallelisms.ac_ops import (
     ALL_GATHER_OPS,
@@ -247,8 +249,9 @@ class OpSAC(ACPolicy):
             tuple(self.cfg.force_recompute_mm_fqns)
 
     def decide(self, call: OpSACPolicy, func, is_recompute: bool, args=(), out=None):
-        """(CheckpointPolicy, verdict, note) for one op of the call `call`."""
-        from torch.utils.checkpoint import CheckpointPolicy as P
+        """(CheckpointPolicy, verdict, note) for one op of the call `call` (`call.index` is
+        its invocation index). Called once per block for the ops not in `dynamic_ops`
+        (the call's table remembers the verdict), once per call for the others."""
         key = op_key(func)
         if is_runtime_op(func):
             return P.PREFER_RECOMPUTE, "RECOMPUTE", "runtime op"
@@ -272,7 +275,10 @@ class OpSAC(ACPolicy):
         """When the call's policy function is built, before its forward."""
 
     def observe(self, call: OpSACPolicy, func, args, kwargs, out, policy) -> None:
-        """After each op of the call's forward has been decided."""
+        """After each op of the call's forward has been decided (not called unless a
+        subclass overrides it: it would run for every op)."""
+
+    observe._no_op = True  # type: ignore[attr-defined]
 
     def end_call(self, call: OpSACPolicy, storage) -> None:
         """When the call's forward ends (eager mode only), with torch's SAC storage."""
@@ -285,8 +291,9 @@ class OpSAC(ACPolicy):
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
 
-        Each call builds a fresh `OpSACPolicy`, so the matmul counts reset per block call.
-        If `block` is given and a force-recompute pattern matches one of its submodules
+        Each call builds a fresh `OpSACPolicy`, so the matmul counts reset per block call;
+        the verdicts that depend on the op alone are shared by every call of the block (one
+        table per context_fn). If `block` is given and a force-recompute pattern matches one of its submodules
         (relative name, or `prefix.relative`), hooks are installed on those submodules;
         `context_fn.scope.remove()` takes them off again.
         """
@@ -294,11 +301,12 @@ class OpSAC(ACPolicy):
         scope = ModuleScope(self.force_recompute_fqns())
         if block is not None and scope.patterns:
             scope.install(block, prefix)
+        table: dict = {}
 
         def context_fn():
             # A plain closure (not a partial of objects) so that dynamo accepts it.
-            return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(),
-                                              explicit_save_ops=explicit, rules=rules, info=info))
+            return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(), explicit_save_ops=explicit,
+                                              rules=rules, info=info, table=table))
 
         context_fn.scope = scope  # type: ignore[attr-defined]
         return context_fn
@@ -384,21 +392,8 @@ def op_sac_context_fn(*, extra_save_ops: Iterable = (), force_recompute_fqns: It
     return policy.context_fn(block, prefix)
 
 
-_MEASURE_NAMES = ("SavedActivationCounter", "saved_activation_bytes", "cpu_attention_flop_mapping",
-                  "extra_flop_mapping", "flop_counter")
-
-
-def __getattr__(name: str):
-    # The counters are for benches, tests and the estimator: imported only when asked for.
-    if name in _MEASURE_NAMES:
-        from parallelisms import ac_measure
-        return getattr(ac_measure, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "AC_MODES", "ACPolicy", "ActivationCheckpointConfig", "FullAC", "MATMUL_OPS", "MemoryBudgetAC", "NoAC",
     "OpSAC", "OpSACPolicy", "POLICIES", "RUNTIME_OP_NAMESPACES", "SelectiveAC", "apply_activation_checkpointing",
     "block_mode", "default_save_ops", "op_sac_context_fn", "policy_for", "reset_ac_trace", "unwrap_block",
-    *_MEASURE_NAMES,
 ]

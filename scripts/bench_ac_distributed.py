@@ -52,7 +52,7 @@ def _worker(opts, rest: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.ac_measure import SavedActivationCounter
     from trainer.config import load_config
     from trainer.train import Trainer, setup_logging
 

@@ -62,7 +62,7 @@ def _worker(opts) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from models import MODEL_SPECS
-    from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.ac_measure import SavedActivationCounter
     from parallelisms.apply import build_model
     from parallelisms.context_parallel import apply_context_parallel, shard_microbatch
     from parallelisms.context_parallel_comm import comm_recorder

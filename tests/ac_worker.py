@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tests.ep_worker as ep_worker  # noqa: E402 - registers the `ep_test` flavor
-from parallelisms.activation_checkpoint import SavedActivationCounter  # noqa: E402
+from parallelisms.ac_measure import SavedActivationCounter  # noqa: E402
 
 
 class KeptRecorder(SavedActivationCounter):

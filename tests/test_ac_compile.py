@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3
+from parallelisms.ac_measure import SavedActivationCounter
 from parallelisms.activation_checkpoint import (
     ActivationCheckpointConfig,
-    SavedActivationCounter,
     apply_activation_checkpointing,
     reset_ac_trace,
 )

@@ -19,17 +19,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3
 from parallelisms import ac_ops, ac_sac, ac_trace
+from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes
 from parallelisms.activation_checkpoint import (
     MATMUL_OPS,
     ActivationCheckpointConfig,
+    OpSAC,
     OpSACPolicy,
-    SavedActivationCounter,
     apply_activation_checkpointing,
     default_save_ops,
-    flop_counter,
     op_sac_context_fn,
     reset_ac_trace,
-    saved_activation_bytes,
 )
 from trainer.config import load_config
 from trainer.configurable import ConfigError
@@ -163,15 +162,23 @@ def _decisions(policy, is_recompute):
     return [policy(_Ctx(is_recompute), op) for op in _BLOCK_OPS]
 
 
-class _SharedCounterPolicy(OpSACPolicy):
+def _policy(save_ops, **kwargs) -> OpSACPolicy:
+    """One call's policy function under the default op-level rules."""
+    return OpSACPolicy(save_ops, rules=OpSAC(ActivationCheckpointConfig(mode="op")), **kwargs)
+
+
+class _OneCounter(dict):
     """The bug the design note warns about: one matmul counter for both passes."""
 
-    def decide(self, func, is_recompute, args=(), out=None):
-        return super().decide(func, False, args, out)
+    def __getitem__(self, is_recompute):
+        return super().get(False, 0)
+
+    def __setitem__(self, is_recompute, value):
+        super().__setitem__(False, value)
 
 
 def test_policy_forward_and_recompute_agree_with_odd_matmul_count():
-    policy = OpSACPolicy(default_save_ops())
+    policy = _policy(default_save_ops())
     fwd = _decisions(policy, False)
     rec = _decisions(policy, True)
     assert fwd == rec
@@ -180,7 +187,8 @@ def test_policy_forward_and_recompute_agree_with_odd_matmul_count():
     assert policy.mm_count == {False: 3, True: 3}
 
     # The shared-counter variant starts the recompute with the wrong parity.
-    shared = _SharedCounterPolicy(default_save_ops())
+    shared = _policy(default_save_ops())
+    shared.mm_count = _OneCounter()
     s_fwd, s_rec = _decisions(shared, False), _decisions(shared, True)
     assert s_fwd == fwd
     assert s_rec != s_fwd
@@ -197,7 +205,7 @@ def test_policy_counts_reset_per_block_call():
 
 
 def test_even_matmul_count_alternates():
-    policy = OpSACPolicy(default_save_ops())
+    policy = _policy(default_save_ops())
     got = [policy(_Ctx(False), aten.mm.default) for _ in range(4)]
     S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert got == [S, R, S, R]
@@ -206,14 +214,14 @@ def test_even_matmul_count_alternates():
 def test_grouped_and_linear_matmuls_alternate_too():
     names = {str(op) for op in MATMUL_OPS}
     assert {"aten.mm", "aten.linear", "aten._grouped_mm"} <= names
-    policy = OpSACPolicy(default_save_ops())
+    policy = _policy(default_save_ops())
     ops = [aten.mm.default, aten._grouped_mm.default, aten.linear.default, aten._grouped_mm.default]
     S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert [policy(_Ctx(False), op) for op in ops] == [S, R, S, R]
 
 
 def test_spec_listed_matmul_is_saved_not_alternated():
-    policy = OpSACPolicy(default_save_ops({aten._grouped_mm.default}), explicit_save_ops={aten._grouped_mm.default})
+    policy = _policy(default_save_ops({aten._grouped_mm.default}), explicit_save_ops={aten._grouped_mm.default})
     S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     ops = [aten._grouped_mm.default, aten.mm.default, aten._grouped_mm.default, aten.mm.default]
     assert [policy(_Ctx(False), op) for op in ops] == [S, S, S, R]  # grouped: always; mm alternates alone
@@ -258,7 +266,7 @@ def test_save_set_falls_back_when_partitioner_api_is_missing(monkeypatch):
 
 def test_runtime_ops_are_never_saved():
     import torch.distributed.fsdp  # noqa: F401 - registers torch.ops.fsdp.*
-    policy = OpSACPolicy(default_save_ops({torch.ops.fsdp.all_gather_copy_in.default}))
+    policy = _policy(default_save_ops({torch.ops.fsdp.all_gather_copy_in.default}))
     for op in (torch.ops.fsdp.all_gather_copy_in.default, torch.ops.fsdp.split_with_sizes_copy.default,
                torch.ops.profiler._record_function_enter_new.default,
                torch.ops.profiler._record_function_exit._RecordFunction):
@@ -267,7 +275,7 @@ def test_runtime_ops_are_never_saved():
 
 def test_device_to_host_copies_are_saved():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    policy = OpSACPolicy(default_save_ops())
+    policy = _policy(default_save_ops())
     with FakeTensorMode():
         dev = torch.empty(4, device="cuda")
         host = dev.to("cpu")
@@ -309,7 +317,7 @@ def test_runtime_op_in_one_pass_only_bypasses_the_cache():
     # Without the bypass, torch's own SAC cache rejects the extra ops.
     mod.extra = False
     out = checkpoint(mod, x, use_reentrant=False,
-                     context_fn=lambda: create_selective_checkpoint_contexts(OpSACPolicy(default_save_ops())))
+                     context_fn=lambda: create_selective_checkpoint_contexts(_policy(default_save_ops())))
     mod.extra = True
     with pytest.raises(RuntimeError, match="not found in storage"):
         torch.autograd.grad(out.sum(), [x])
@@ -413,7 +421,7 @@ def test_toy_square_linears_bitwise_with_dropout(n_linears):
 def test_toy_odd_matmuls_policy_state_shared_across_calls_changes_decisions():
     # A policy whose counter is not reset per call saves different matmuls on the next
     # call of the same block; ours starts every call from zero.
-    shared = OpSACPolicy(default_save_ops())
+    shared = _policy(default_save_ops())
     first = [shared(_Ctx(False), aten.mm.default) for _ in range(3)]
     second = [shared(_Ctx(False), aten.mm.default) for _ in range(3)]
     assert first != second
@@ -691,28 +699,35 @@ def test_apply_compile_targets_the_wrapper_and_sets_globals(monkeypatch):
 
 def test_moe_policy_decisions():
     """DeepSeek's op-level rules on a MoE block: the gate GEMM kept, the up GEMM recomputed,
-    the down GEMM kept (1 rank) or, under EP, skipped with the index_select after it (the
-    kept combine all-to-all is all that reads them); bmm recomputed; dense blocks unchanged."""
+    the down GEMM kept (1 rank) or, under EP, skipped with the index_select that reads its
+    output (the kept combine all-to-all is all that reads them); an index_select of other
+    data is not skipped; bmm recomputed; dense blocks unchanged."""
     from models.deepseek_v3.ac import MoEOpSAC
     from parallelisms.ac_sac import OpSACPolicy
     rules = MoEOpSAC(ActivationCheckpointConfig(mode="op"))
     g, ix = aten._grouped_mm.default, aten.index_select.default
-    ops = [ix, g, g, g, ix, aten.bmm.default, aten.topk.default, g, g, g, ix]
     S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
     def run(info):
+        # (op, input, output): the down GEMM's output d is what the second index_select reads
+        # (through a view, as the experts' view_as); the first and last read other tensors.
+        x, d, other = torch.ones(4, 2), torch.ones(4, 2), torch.ones(4, 2)
+        ops = [(ix, x, x[:2]), (g, x, x), (g, x, x), (g, x, d), (ix, d.view_as(d), torch.ones(4, 2)),
+               (aten.bmm.default, x, x), (aten.topk.default, x, x), (g, x, x), (g, x, x), (g, x, other),
+               (ix, x, x)]
         call = OpSACPolicy(rules.save_ops(), explicit_save_ops=rules.explicit_save_ops(), rules=rules, info=info)
+        counts: dict = {}
         verdicts = []
-        for op in ops:  # (what OpSACPolicy.__call__ does before deciding: the op's invocation index)
-            call.index = call.op_index[False][op]
-            call.op_index[False][op] += 1
-            policy, verdict, _ = call.decide(op, False)
+        for op, inp, out in ops:
+            call.index = counts.get(op, 0)  # (its invocation index, as the caching mode passes it)
+            counts[op] = call.index + 1
+            policy, verdict, _ = call.decide(op, False, (inp, None), out)
             verdicts.append((policy, verdict))
         return verdicts
 
     assert run({"moe": True, "ep": True}) == [
         (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP"), (R, "RECOMPUTE"), (S, "SAVE"),
-        (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "SKIP")]
+        (S, "SAVE"), (R, "RECOMPUTE"), (R, "SKIP"), (R, "RECOMPUTE")]
     assert run({"moe": True, "ep": False}) == [
         (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE"), (R, "RECOMPUTE"), (S, "SAVE"),
         (S, "SAVE"), (R, "RECOMPUTE"), (S, "SAVE"), (R, "RECOMPUTE")]

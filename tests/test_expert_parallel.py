@@ -293,14 +293,15 @@ def test_parallel_dims_expert_meshes_math():
 
 def test_deepseek_sac_save_ops_keep_all_to_all_and_let_grouped_mm_alternate():
     from models import MODEL_SPECS
-    from parallelisms.activation_checkpoint import OpSACPolicy, default_save_ops
+    from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC, OpSACPolicy, default_save_ops
 
     spec = MODEL_SPECS["deepseek_v3"]
     ops = torch.ops
     assert ops._c10d_functional.all_to_all_single.default in spec.sac_save_ops
     assert ops.aten.topk.default in spec.sac_save_ops
     assert ops.aten._grouped_mm.default not in spec.sac_save_ops
-    policy = OpSACPolicy(default_save_ops(spec.sac_save_ops), explicit_save_ops=spec.sac_save_ops)
+    policy = OpSACPolicy(default_save_ops(spec.sac_save_ops), explicit_save_ops=spec.sac_save_ops,
+                         rules=OpSAC(ActivationCheckpointConfig(mode="op")))
     verdicts = [policy.decide(op, False)[1] for op in (ops.aten._grouped_mm.default, ops.aten._grouped_mm.default,
                                                         ops._c10d_functional.all_to_all_single.default)]
     assert verdicts == ["ALTERNATE", "ALTERNATE", "SAVE"]

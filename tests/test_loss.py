@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallelisms.activation_checkpoint import SavedActivationCounter
+from parallelisms.ac_measure import SavedActivationCounter
 from tests.helpers import TINY, losses_by_step, run_in_process, torchrun
 from trainer.configurable import ConfigError
 from trainer.loss import (

@@ -15,10 +15,14 @@ matmul, kept 18x the bytes of full AC and was slower than full under EP):
   intermediates, `[rows, hidden]`), and the routing-weighted sum (`bmm`); the gate
   projection's output is kept (`keep_expert_gate`, a third of the expert GEMMs);
 - under EP, skipped: the experts' last grouped GEMM (the down projection) and the
-  index_select that un-regroups its output feed only the combine all-to-all, whose output
-  is kept, and neither backward formula reads them, so the recompute does not run them
-  (a `Placeholder` answers; the MoE recompute skip of TorchTitan's and Megatron's open
-  PRs). Without EP that output is kept instead: the combine that would hide it is absent.
+  index_selects that carry its output to the combine all-to-all (on CUDA first the
+  GEMM's own un-pad, `padded_group_layout`, then the un-regroup; on CPU only the latter),
+  whose output is kept. No backward formula reads them, so the recompute does not run
+  them (a `Placeholder` answers; the MoE recompute skip of TorchTitan's and Megatron's
+  open PRs). Which index_selects are skipped follows the data, not the order: one is
+  skipped when its input shares storage with a skipped output (views such as the
+  experts' `view_as` included). Without EP that output is kept instead: the combine that
+  would hide it is absent.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as P
 
 from parallelisms.ac_budget import BudgetSAC
+from parallelisms.ac_sac import plain_tensors
 from parallelisms.activation_checkpoint import OpSAC
 
 
@@ -50,6 +55,31 @@ _INDEX_SELECT = torch.ops.aten.index_select.default
 _BMM = torch.ops.aten.bmm.default
 # `GroupedExperts` runs three grouped GEMMs per call: gate (w1), up (w3), down (w2).
 _GEMMS_PER_EXPERTS_CALL = 3
+
+
+def _storage_ref(t):
+    """A weak reference to `t`'s storage (equal for every view of it), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    try:
+        return StorageWeakRef(next(plain_tensors(t)).untyped_storage())
+    except Exception:  # noqa: BLE001 - fake / storage-less tensors: nothing is skipped
+        return None
+
+
+def _note_skipped(call, out) -> None:
+    """Remembers the storage of a skipped op's output for this call. The weak reference
+    keeps the storage's identity from being reused while the call lasts."""
+    ref = _storage_ref(out) if isinstance(out, torch.Tensor) else None
+    if ref is not None:
+        call.skipped_storages = {**getattr(call, "skipped_storages", {}), ref: ref}
+
+
+def _reads_skipped(call, args) -> bool:
+    skipped = getattr(call, "skipped_storages", None)
+    if not skipped or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    ref = _storage_ref(args[0])
+    return ref is not None and ref in skipped
 
 
 class MoEOpSAC(OpSAC):
@@ -81,12 +111,12 @@ class MoEOpSAC(OpSAC):
             if gemm != _GEMMS_PER_EXPERTS_CALL - 1:
                 return P.PREFER_RECOMPUTE, "RECOMPUTE", "MoE: per-expert intermediate"
             if call.info["ep"]:
-                call.skip_next_index_select = True
+                _note_skipped(call, out)
                 return P.PREFER_RECOMPUTE, "SKIP", "MoE under EP: only the kept combine reads it"
             return P.MUST_SAVE, "SAVE", "MoE: the experts' output"
-        if func is _INDEX_SELECT and getattr(call, "skip_next_index_select", False):
-            call.skip_next_index_select = False
-            return P.PREFER_RECOMPUTE, "SKIP", "MoE under EP: un-regroups the experts' output for the combine"
+        if func is _INDEX_SELECT and _reads_skipped(call, args):
+            _note_skipped(call, out)
+            return P.PREFER_RECOMPUTE, "SKIP", "MoE under EP: carries the experts' output to the combine"
         if func is _BMM:
             return P.PREFER_RECOMPUTE, "RECOMPUTE", "MoE: the routing-weighted sum"
         return super().decide(call, func, is_recompute, args, out)

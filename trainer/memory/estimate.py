@@ -158,7 +158,8 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0
     """Probes every distinct block of this rank's parts (same local parameter shapes, AC
     mode and input), and what the embedding keeps. `receive_factor`: EP ranks receive that
     many times the balanced rows (the busiest rank of a skewed routing)."""
-    from parallelisms.activation_checkpoint import SavedActivationCounter, block_mode
+    from parallelisms.ac_measure import SavedActivationCounter
+    from parallelisms.activation_checkpoint import block_mode
 
     seq = cfg.training.seq_len
     dtype = rank.stream_dtype

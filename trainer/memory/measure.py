@@ -91,7 +91,7 @@ def measure_step(argv: list[str]) -> dict:
     above a baseline taken after the warm-up with gradients freed (params + optimizer
     states resident). Run it in a fresh process with `MALLOC_ENV` so that frees return
     memory. Leaves the process group (if any) open for the next case."""
-    from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.ac_measure import SavedActivationCounter
     from trainer.config import load_config
     from trainer.train import Trainer
 

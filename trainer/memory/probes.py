@@ -255,7 +255,7 @@ def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dty
     backward on a residual input of `input_shape` in `dtype` (forward under `autocast`
     if given). `rope`: the RoPE rows the model passes to its blocks. `constants`: what
     the block reads but does not own (the RoPE table and its cast), not counted here."""
-    from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.ac_measure import SavedActivationCounter
 
     block.zero_grad(set_to_none=True)
     x = torch.empty(input_shape, dtype=dtype, requires_grad=True)
@@ -287,7 +287,7 @@ def probe_head(part: nn.Module, *, chunked: bool, input_shape: tuple, labels_sha
     under the step's context (loss parallel under TP, autocast without FSDP). `chunked`:
     the head (then a `LinearCrossEntropyHead`) computes the loss chunk by chunk; else it
     returns the logits, as a plain Linear does."""
-    from parallelisms.activation_checkpoint import SavedActivationCounter
+    from parallelisms.ac_measure import SavedActivationCounter
     from trainer.loss import TokenNormalizedLoss
 
     norm, head = part.norm, part.output
