@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 try:  # the placement FSDP2 uses when it shards a dim that TP already shards
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -63,8 +63,9 @@ def needs_assembly(t: torch.Tensor) -> bool:
     return any(_is_shard(p) and p.dim >= t.ndim - 2 for p in t.placements)
 
 
-def _layout_key(t: DTensor):
-    return (id(t.device_mesh), tuple(t.placements), tuple(t.shape))
+def _as_dtensor(local: torch.Tensor, like: DTensor, placements) -> DTensor:
+    return DTensor.from_local(local, like.device_mesh, placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def orthogonalize(updates: list[torch.Tensor], params: list[torch.Tensor],
@@ -75,26 +76,37 @@ def orthogonalize(updates: list[torch.Tensor], params: list[torch.Tensor],
     each result, in order."""
     out: list[torch.Tensor | None] = [None] * len(updates)
     groups: dict = {}
+    resolved: dict[int, tuple] = {}
     for i, (u, p) in enumerate(zip(updates, params)):
-        if needs_assembly(p):
-            groups.setdefault(_layout_key(p), []).append(i)
-        else:  # whole matrices already here (plain, replicated, or sharded on a leading dim)
+        if not needs_assembly(p):  # whole matrices already here (plain, replicated, or sharded on a leading dim)
             out[i] = fn(u.reshape(-1, *u.shape[-2:])).reshape(u.shape)
-    for idx in groups.values():
+            continue
+        if _StridedShard and any(isinstance(q, _StridedShard) for q in p.placements):
+            # FSDP over a TP-sharded dim: the stack cannot carry the interleaved layout, so that
+            # mesh dim is all-gathered first (its bytes: an all-gather, not an all-to-all).
+            plain = tuple(Replicate() if isinstance(q, _StridedShard) else q for q in p.placements)
+            updates[i] = _as_dtensor(u, p, p.placements).redistribute(p.device_mesh, plain).to_local()
+            resolved[i] = plain
+        placements = resolved.get(i, tuple(p.placements))
+        groups.setdefault((id(p.device_mesh), placements, tuple(p.shape)), []).append(i)
+    for (_, placements, _), idx in groups.items():
         ref = params[idx[0]]
-        mesh, src = ref.device_mesh, tuple(_shifted(p) for p in ref.placements)
-        dst = tuple(Shard(0) if _is_shard(p) and p.dim >= ref.ndim - 2 else q for p, q in zip(ref.placements, src))
-        shape = (len(idx), *ref.shape)
+        mesh, src = ref.device_mesh, tuple(_shifted(q) for q in placements)
+        dst = tuple(Shard(0) if _is_shard(q) and q.dim >= ref.ndim - 2 else s for q, s in zip(placements, src))
+        shape = torch.Size((len(idx), *ref.shape))
         stride = torch.empty(shape, device="meta").stride()
         # [K, local...]: this rank's shard of each update, as one DTensor of K whole updates
         stack = DTensor.from_local(torch.stack([updates[i] for i in idx]), mesh, src, run_check=False,
-                                   shape=torch.Size(shape), stride=stride)
+                                   shape=shape, stride=stride)
         whole = stack.redistribute(mesh, dst).to_local()  # [K_here, ...whole matrices]
         done = fn(whole.reshape(-1, *whole.shape[-2:])).reshape(whole.shape)
-        back = DTensor.from_local(done, mesh, dst, run_check=False, shape=torch.Size(shape), stride=stride)
+        back = DTensor.from_local(done, mesh, dst, run_check=False, shape=shape, stride=stride)
         local = back.redistribute(mesh, src).to_local()  # [K, local...]
         for k, i in enumerate(idx):
             out[i] = local[k]
+            if i in resolved:  # back to the interleaved shard (a local slice)
+                out[i] = _as_dtensor(out[i], params[i], resolved[i]).redistribute(
+                    params[i].device_mesh, params[i].placements).to_local()
     return out
 
 
