@@ -141,3 +141,21 @@ def test_training_with_muon_lowers_the_loss(tmp_path):
                                              "--optimizer.lr", "3e-3", "--job.dump_folder", str(tmp_path)])
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+
+
+def test_muon_with_float8_updates_the_fp32_master_weights(tmp_path):
+    """Float8Linear keeps fp32 weights (only its matmuls cast): Muon's NS and update run on
+    them, and the loss stays close to the high-precision Muon run's."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    args = TINY + ["--training.steps", "4", "--optimizer.name", "muon", "--optimizer.lr", "3e-3",
+                   "--training.mixed_precision_param", "float32"]
+    ref, _ = run_in_process(args + ["--job.dump_folder", str(tmp_path / "ref")])
+    got, trainer = run_in_process(args + ["--float8.enable", "true", "--job.dump_folder", str(tmp_path / "f8")])
+    model, opt = trainer.model_parts[0], trainer.optimizers[0]
+    f8 = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+    muon = {id(p) for g in opt.param_groups if g["muon"] for p in g["params"]}
+    assert f8 and all(id(w) in muon and w.dtype == torch.float32 for w in f8)
+    assert all("momentum_buffer" in opt.state[w] for w in f8)
+    assert got != ref and max(abs(a - b) / b for a, b in zip(got, ref)) < 0.02, (got, ref)
