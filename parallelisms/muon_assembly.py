@@ -25,7 +25,7 @@ Bytes moved per step: each of the two all-to-alls sends (g - 1) / g of a rank's 
 share of the sharded Muon updates (g: ranks of the mesh dims being gathered), i.e.
 2 (g - 1) / g^2 x the Muon updates' bytes per rank, in NS's dtype (bf16 on GPU), against
 FSDP's own (g - 1) / g x (2 all-gathers + 1 reduce-scatter) of all parameters per rank:
-`python scripts/bench_muon.py bytes` prints both for real shapes (8B on FSDP 8: 0.15 of
+`python scripts/bench_muon.py bytes` prints both for real shapes (8B on FSDP 8: 0.07 of
 FSDP's). On gloo (CPU) DTensor has no all-to-all and falls back to an all-gather and a
 local chunk: the same results, g times the bytes; NCCL runs the all-to-all.
 """

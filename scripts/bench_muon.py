@@ -122,7 +122,7 @@ def bytes_table(args) -> None:
     G = g * tp
     muon_sent = 2 * (muon_b / g) * (G - 1) / G
     # FSDP: all-gather in forward and again in backward, reduce-scatter of grads, in the param dtype (bf16)
-    fsdp_sent = 3 * (all_b / 2) * (g - 1) / g
+    fsdp_sent = 3 * all_b * (g - 1) / g
     gib = 2 ** 30
     print(f"{args.flavor}: FSDP {g} x TP {tp}; Muon params {sum(p.numel() for p in muon) / 1e9:.2f}B, "
           f"AdamW params {sum(p.numel() for p in adamw) / 1e9:.2f}B")
