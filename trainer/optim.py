@@ -1,4 +1,4 @@
-"""AdamW and the LR schedule: linear warmup, then linear / cosine / WSD decay."""
+"""AdamW or Muon (trainer/muon.py), and the LR schedule: linear warmup, then linear / cosine / WSD decay."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from trainer.configurable import ConfigError, opt
 class OptimizerConfig:
     """[optimizer]"""
 
-    name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
+    name: str = opt("AdamW", "Optimizer. muon: Newton-Schulz orthogonalised momentum on the hidden matrices "
+                    "(muon_params), AdamW (lr, beta1, beta2, eps, weight_decay) on the rest.",
+                    choices=("AdamW", "Adam", "muon"))
     lr: float = opt(8e-4, "Peak learning rate.", min=0.0)
     beta1: float = opt(0.9, "Adam beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "Adam beta2.", min=0.0, max=1.0)
@@ -22,6 +24,23 @@ class OptimizerConfig:
     weight_decay: float = opt(0.1, "Decoupled weight decay.", min=0.0)
     implementation: str = opt("auto", "auto picks fused on CUDA and foreach elsewhere.",
                               choices=("auto", "fused", "foreach", "for-loop"))
+    # ---- muon (name = "muon"): the rule and the Muon group's hyperparameters ----
+    muon_params: list[str] = opt(["layers.*"], "Muon: fnmatch patterns of parameter names (wrapper prefixes "
+                                 "removed) that go to Muon, if >= 2-D and not excluded; each must match one.")
+    muon_exclude: list[str] = opt(["*norm*", "*.router.*", "*embed*", "output.*", "mtp.*"],
+                                  "Muon: name patterns kept on AdamW although muon_params matches them.")
+    muon_lr: float | None = opt(None, "Muon group's peak LR; None = lr (right with muon_update_scale rms).", min=0.0)
+    muon_weight_decay: float | None = opt(None, "Muon group's decoupled weight decay; None = weight_decay.", min=0.0)
+    muon_momentum: float = opt(0.95, "Muon momentum.", min=0.0, max=1.0)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (orthogonalise g + mu * buf instead of buf).")
+    muon_ns_steps: int = opt(5, "Muon: quintic Newton-Schulz iterations.", min=1, max=20)
+    muon_update_scale: str = opt("rms", "Muon update scale: rms = muon_rms_factor * sqrt(max(m, n)) (matches "
+                                 "AdamW's update RMS, so its lr carries over; Moonlight) or spectral = "
+                                 "sqrt(max(1, fan_out / fan_in)) (needs its own, larger lr).",
+                                 choices=("rms", "spectral"))
+    muon_rms_factor: float = opt(0.2, "Muon: the update RMS that the rms scale targets.", min=0.0)
+    muon_ns_dtype: str = opt("auto", "Muon: Newton-Schulz precision; auto = bfloat16 on GPU, float32 on CPU.",
+                             choices=("auto", "bfloat16", "float32"))
 
 
 @dataclass
@@ -36,10 +55,14 @@ class LRSchedulerConfig:
     min_lr_factor: float = opt(0.0, "Final LR as a fraction of the peak.", min=0.0, max=1.0)
 
 
-def build_optimizer(params, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer of one model part."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"
+    if cfg.name == "muon":
+        return build_muon(model, cfg, device_type, foreach=impl != "for-loop")
+    params = model.parameters()
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
               "fused": impl == "fused", "foreach": impl == "foreach"}
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
@@ -70,3 +93,23 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: 
                           f"({round(total_steps * cfg.decay_ratio)}) exceed training.steps ({total_steps}); "
                           "lower one of them")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+def build_muon(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str, foreach: bool = True):
+    from trainer.muon import Muon, is_muon_param, split_params
+
+    named = list(model.named_parameters())
+    for pattern in cfg.muon_params:
+        if not any(is_muon_param(n, p, [pattern], cfg.muon_exclude) for n, p in named):
+            raise ConfigError(f"config error: optimizer.muon_params: {pattern!r} matches no >= 2-D parameter "
+                              f"outside muon_exclude (names look like {named[0][0]!r}); fix the pattern")
+    muon, adamw, _ = split_params(named, cfg.muon_params, cfg.muon_exclude)
+    ns_dtype = {"auto": torch.bfloat16 if device_type == "cuda" else torch.float32,
+                "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.muon_ns_dtype]
+    groups = [{"params": muon, "muon": True, "lr": cfg.lr if cfg.muon_lr is None else cfg.muon_lr,
+               "weight_decay": cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay,
+               "momentum": cfg.muon_momentum, "nesterov": cfg.muon_nesterov, "ns_steps": cfg.muon_ns_steps,
+               "scale_mode": cfg.muon_update_scale, "rms_factor": cfg.muon_rms_factor},
+              {"params": adamw, "muon": False, "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+               "weight_decay": cfg.weight_decay}]
+    return Muon([g for g in groups if g["params"]], ns_dtype=ns_dtype, foreach=foreach)
