@@ -133,15 +133,28 @@ def build_hf_qwen3(folder: Path, *, moe: bool = False, tied: bool = False, legac
 
 
 def build_qwen_tokenizer(folder: Path, vocab: int) -> Path:
-    """A byte-level BPE tokenizer.json with Qwen's special tokens and tokenizer_config.json
-    (Qwen3 names no BOS; <|im_end|> ends a turn, <|endoftext|> a document)."""
-    from tests.test_hf_models import build_hf_tokenizer
+    """A byte-level BPE tokenizer.json with Qwen's special tokens (<|endoftext|>, <|im_start|>,
+    <|im_end|>) and a tokenizer_config.json as the Qwen3 base models have: no BOS, EOS and pad
+    <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    build_hf_tokenizer(folder, vocab, bos="<|im_start|>", eos="<|endoftext|>")
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg.update({"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from trainer.data.builtin_corpus import builtin_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 8, special_tokens=list(QWEN_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(builtin_documents(max_files=40), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+         "tokenizer_class": "Qwen2Tokenizer"}))
     return folder
+
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 CASES = {
