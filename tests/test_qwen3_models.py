@@ -231,3 +231,60 @@ def test_args_config_roundtrip(flavor):
     back = adapter.args_from_hf(adapter(args).hf_config())
     assert adapter.signature(back) == adapter.signature(args)
     assert back.tie_embeddings == args.tie_embeddings
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+def _tiny(moe: bool):
+    import dataclasses
+
+    from parallelisms.param_init import layout_independent_init
+
+    spec = get_model_spec("qwen3")
+    args = dataclasses.replace(spec.flavors["debug_moe" if moe else "debug"], dim=64, n_heads=4, n_kv_heads=2,
+                               head_dim=24, ffn_hidden_dim=96, moe_inter_dim=32, n_layers=3, vocab_size=256,
+                               max_seq_len=64)
+    model = spec.model_cls(args)
+    layout_independent_init([model], seed=0, buffer_device=torch.device("cpu"))
+    return spec, model
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense_tied", "moe"])
+def test_every_ac_mode_is_bitwise_equal_to_none(moe):
+    """none / full / selective / op / budget (with this spec's MoE op policy) give the same
+    losses and grads, bitwise in fp32, over 2 steps; the tied head stays one parameter."""
+    from tests.test_activation_checkpoint import _assert_bitwise, _run_mode
+
+    spec, base = _tiny(moe)
+    assert (base.output.weight is base.tok_embeddings.weight) == (not moe)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
+               for _ in range(2)]
+    ref = _run_mode(base, "none", batches, spec=spec)
+    for mode, cfg in (("full", {}), ("selective", {}), ("op", {}), ("budget", {"budget_fraction": 0.3})):
+        _assert_bitwise(ref, _run_mode(base, mode, batches, spec=spec, cfg=cfg))
+
+
+def test_batch_balance_loss_is_hf_switch_loss_over_top_k():
+    """aux_loss_scope="batch" on one layer is transformers' Qwen3-MoE load-balancing loss
+    (Switch: E * sum_i f_i P_i over every token of the batch) divided by top_k: our f_i is
+    normalised so that a balanced router gives 1, HF's gives top_k."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from models.common.moe import MoE, MoEArgs
+
+    torch.manual_seed(0)
+    layer = MoE(16, 8, MoEArgs(num_experts=8, top_k=2, num_shared_experts=0, score_func="softmax",
+                               route_norm=True, aux_loss_coeff=1.0, aux_loss_scope="batch"))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(3, 10, 16)
+    layer.train()
+    layer(x)
+    logits = layer.router.gate(x.reshape(-1, 16))
+    hf = load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    # MoE's default normalisation is 1 / sequences of this forward, times bsz for "batch": one mean.
+    assert torch.allclose(layer.aux_loss, hf / 2, rtol=1e-5, atol=0), (layer.aux_loss, hf)
+    assert layer.aux_loss > 1.0  # this router is unbalanced: the loss sees it

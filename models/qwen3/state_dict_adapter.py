@@ -130,7 +130,9 @@ class Qwen3StateDictAdapter(HFStateDictAdapter):
         if moe:
             n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             require(n_experts is not None, f"{where}: num_experts is missing")
-            aux = float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0
+            # HF adds the loss only with output_router_logits; its loss is top_k x ours (models/qwen3/args.py).
+            aux = (float(cfg.get("router_aux_loss_coef", 0.0)) * int(cfg["num_experts_per_tok"])
+                   if cfg.get("output_router_logits") else 0.0)
             fields.update(
                 n_routed_experts=int(n_experts), n_activated_experts=int(cfg["num_experts_per_tok"]),
                 moe_inter_dim=int(cfg["moe_intermediate_size"]), route_norm=bool(cfg.get("norm_topk_prob", False)),
@@ -164,7 +166,8 @@ class Qwen3StateDictAdapter(HFStateDictAdapter):
                 "num_experts": a.n_routed_experts, "num_experts_per_tok": a.n_activated_experts,
                 "moe_intermediate_size": a.moe_inter_dim, "norm_topk_prob": a.route_norm,
                 "decoder_sparse_step": a.decoder_sparse_step, "mlp_only_layers": list(a.mlp_only_layers),
-                "output_router_logits": a.aux_loss_coeff > 0, "router_aux_loss_coef": a.aux_loss_coeff or 0.001,
+                "output_router_logits": a.aux_loss_coeff > 0,
+                "router_aux_loss_coef": a.aux_loss_coeff / a.n_activated_experts if a.aux_loss_coeff else 0.001,
             })
         return cfg
 
