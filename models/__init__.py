@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 
 from models.spec import ModelSpec
 
-_BUILTIN = {"llama3": "models.llama3", "deepseek_v3": "models.deepseek_v3"}
+_BUILTIN = {"llama3": "models.llama3", "deepseek_v3": "models.deepseek_v3", "qwen3": "models.qwen3"}
 _REGISTERED: dict[str, ModelSpec] = {}
 
 

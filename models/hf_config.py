@@ -231,6 +231,15 @@ class SameWithCopies(Same):
         return {k: t for k in [self.hf_keys[0], *self.copies]}
 
 
+class Tied(Same):
+    """native == hf_key, a tensor this model ties to another (Qwen3's output head is the
+    embedding, `tie_word_embeddings`): it loads from hf_key and exports nothing, since the
+    tensor it is tied to writes hf_key already."""
+
+    def to_hf(self, t):
+        return {}
+
+
 class Absent(Recipe):
     """A native tensor this HF format does not store (DeepSeek V2 has no routing bias): it
     loads as zeros, and exports nothing (the adapter's `check_exportable` refuses a

@@ -25,7 +25,11 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
     # With PP the same params run forward once per microbatch; keeping them gathered
     # avoids an all-gather per microbatch, so "default" means no reshard under PP.
     reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
-    if getattr(model, "tok_embeddings", None) is not None:
+    # A head tied to the embedding (one parameter: Qwen3-0.6B, 1.7B, 4B) must be in one FSDP unit
+    # with it; both are left to the root unit, which stays gathered from the embedding to the head.
+    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if embedding is not None and not tied:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
     # Expert parallelism (parallelisms/expert_parallel.py) marks routed-expert modules with
     # `_expert_fsdp_mesh`: they are sharded first, over the ranks that share their EP shard
@@ -50,8 +54,8 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype
                 ignored |= set(sub.parameters())
         fully_shard(block, reshard_after_forward=reshard, **unit_kwargs,
                     **({"ignored_params": ignored} if ignored else {}))
-    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    if tail:
+    tail = [m for m in (getattr(model, "norm", None), head) if m is not None]
+    if tail and not tied:
         # The head runs last in forward and first in backward: resharding it would be wasted work.
         fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs, **({"ignored_params": ignored} if ignored else {}))

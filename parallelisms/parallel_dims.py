@@ -63,6 +63,11 @@ def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batc
     check_model_layout(model_args, tp=tp, pp=pp, seq_len=seq_len,
                        sequence_parallel=cfg.enable_sequence_parallel and tp > 1)
     if pp > 1:
+        if getattr(model_args, "tie_embeddings", False):
+            # The first and the last stage would each hold a copy of the one tied matrix.
+            raise ConfigError(f"config error: parallelism.pipeline_parallel_degree: {pp}, but this model ties its "
+                              "output head to the embedding (tie_embeddings), which pipeline stages cannot share; "
+                              "set it to 1 or use an untied flavor")
         check_pipeline_layout(cfg, getattr(model_args, "n_layers", None), local_batch_size)
     if cfg.context_parallel_degree > 1:
         from parallelisms.context_parallel import check_context_parallel_layout

@@ -60,6 +60,9 @@ class MoEArgs:
     n_groups: int = 1
     topk_groups: int = 1
     aux_loss_coeff: float = 0.0
+    # "sequence": DeepSeek V3's per-sequence loss; "batch": the Switch / Qwen3 loss over every
+    # token of the forward (one f_i, P_i per layer), weighted by its sequences' share.
+    aux_loss_scope: Literal["sequence", "batch"] = "sequence"
     use_grouped_mm: bool = True
 
 
@@ -331,8 +334,10 @@ class MoE(nn.Module):
         out = out.view(bsz, seqlen, dim)
         if self.args.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
-            aux = (self.args.aux_loss_coeff * scale) * sequence_balance_loss(
-                scores, ids, bsz, self.num_experts, self.args.score_func, reduction="sum",
+            # "batch" treats the forward's tokens as one sequence: [N, K] ids -> 1 x (N * K) picks.
+            per_batch = self.args.aux_loss_scope == "batch"
+            aux = (self.args.aux_loss_coeff * scale * (bsz if per_batch else 1)) * sequence_balance_loss(
+                scores, ids, 1 if per_batch else bsz, self.num_experts, self.args.score_func, reduction="sum",
                 count_reduce=self.aux_loss_count_reduce)
             with torch.no_grad():
                 self.aux_loss.copy_(aux.detach())
