@@ -26,6 +26,7 @@ from typing import Callable
 USER_ERROR_EXIT = 2
 AGENT_ENV = "TITAN_LAUNCH_AGENT"
 USER_ERROR_KEY = "titan_user_error"
+HANG_KEY = "titan_hang"  # a rank that stopped responding (trainer/hang.py), exit code HANG_EXIT there
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -50,12 +51,13 @@ def disk_error_message(e: OSError, what: str) -> str | None:
     return f"{what}: {reason}; free space or point it at a writable folder" if reason else None
 
 
-def _write_error_file(message: str, *, user_error: bool, callstack: str = "") -> None:
+def _write_error_file(message: str, *, user_error: bool, callstack: str = "", hang: bool = False) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": message, "extraInfo": {
-        "py_callstack": callstack, "timestamp": str(int(time.time())), USER_ERROR_KEY: user_error}}}
+        "py_callstack": callstack, "timestamp": str(int(time.time())), USER_ERROR_KEY: user_error,
+        HANG_KEY: hang}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -73,6 +75,16 @@ def report_user_error(message: str) -> int:
     elif global_rank() == 0:
         print(message, file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
+
+
+def report_hang(line: str, *, printer: bool) -> None:
+    """A hang's one line (trainer/hang.py): to the launcher agent, or printed by `printer`."""
+    from trainer.configurable import env_flag
+
+    if env_flag(AGENT_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        _write_error_file(line, user_error=False, hang=True)
+    elif printer:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_entry_point(main: Callable[[], int]) -> int:

@@ -9,6 +9,10 @@ actually done; both are printed. The peak is the device's dense bf16 rate, looke
 exact model name in the CUDA device name (so "H100 PCIe" is not taken for an H100 SXM, nor
 an L40 for an L4).
 
+Stragglers (`StragglerMonitor`): each rank's mean step time since the last log step rides in
+per-rank slots of the step's one loss all-reduce on log steps (no sync of its own); every
+record gets the slowest rank, its step time, the median and the lag between them.
+
 After a resume from step N, metrics.jsonl keeps only the records up to N (the steps after
 it are trained again), and TensorBoard purges the same steps, so each step appears once.
 """
@@ -27,6 +31,10 @@ class MetricsConfig:
     log_freq: int = opt(10, "Log every N steps (and the first and last).", min=1)
     enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    straggler_factor: float = opt(2.0, "Warn, naming the rank, when a rank's step time (its own work, without "
+                                  "waiting in the loop's all-reduces) exceeds this many times the median rank's "
+                                  "for straggler_log_steps log steps in a row.", min=1.0)
+    straggler_log_steps: int = opt(3, "Log steps in a row a rank must be slow before the straggler warning.", min=1)
 
 
 import contextlib
@@ -34,6 +42,7 @@ import json
 import logging
 import re
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -197,3 +206,67 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+class StragglerMonitor:
+    """Per-rank step times on log steps, from the loss all-reduce's per-rank slots.
+
+    A rank's step time here is its own work: the step's wall time minus what it waited in
+    the loop's blocking all-reduces (the token count, the loss), where every other rank
+    waits for the slow one. A rank slow before those (data, host stalls) is found exactly;
+    one slow inside FSDP's or TP's collectives makes its peers wait there too, so it shows
+    less. On CUDA the times are host-side (the loss all-reduce's wait shows at its read)."""
+
+    def __init__(self, cfg: MetricsConfig, rank: int, world_size: int, *, log: bool):
+        self.factor, self.patience = cfg.straggler_factor, cfg.straggler_log_steps
+        self.rank, self.world, self.log = rank, world_size, log
+        self._busy = 0.0
+        self._steps = 0
+        self._slow_in_a_row: dict[int, int] = {}
+        self._step_t0 = 0.0
+        self._wait = 0.0
+        self._warm = False
+
+    def start_step(self) -> None:
+        self._step_t0, self._wait = time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """A blocking collective where the others wait for the slowest rank: not its own work."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._wait += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        if not self._warm:  # the first step (compile, first allocations) is no one's steady pace
+            self._warm = True
+            return
+        self._busy += time.perf_counter() - self._step_t0 - self._wait
+        self._steps += 1
+
+    def slots(self, with_metrics: bool) -> float | None:
+        """This rank's mean step time since the last log step, to ride in its slot; None on
+        other steps (then no slots) and when no step completed since (steps 1 and 2: the first
+        step is not counted)."""
+        if not with_metrics or self.world <= 1 or self._steps == 0:
+            return None
+        mean = self._busy / self._steps
+        self._busy, self._steps = 0.0, 0
+        return mean
+
+    def observe(self, times: list[float], step: int) -> dict[str, float]:
+        """Every rank's mean step time -> the record's fields; warns about a persistent straggler."""
+        median = statistics.median_low(times)  # a real rank's time: with 2 ranks, the faster one
+        slowest = max(range(len(times)), key=lambda r: times[r])
+        slow = [r for r, t in enumerate(times) if median > 0 and t > self.factor * median]
+        self._slow_in_a_row = {r: self._slow_in_a_row.get(r, 0) + 1 for r in slow}
+        if self.log:
+            for r in slow:
+                if self._slow_in_a_row[r] == self.patience:
+                    logger.warning(f"straggler: rank {r} took {times[r]:.3f} s per step against the median "
+                                   f"{median:.3f} s ({times[r] / median:.1f}x > metrics.straggler_factor "
+                                   f"{self.factor:g}) for {self.patience} log steps in a row, up to step {step}")
+        return {"straggler/slowest_rank": float(slowest), "straggler/slowest_step_s": times[slowest],
+                "straggler/median_step_s": median, "straggler/lag_s": times[slowest] - median}

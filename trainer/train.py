@@ -29,9 +29,10 @@ from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
 from trainer.errors import report_user_error, run_entry_point
+from trainer.hang import HangWatch, inject_test_faults
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
-from trainer.metrics import MetricsLogger, attention_flops_per_token
+from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per_token
 from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
@@ -152,6 +153,10 @@ class Trainer:
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size, start_step=self.step,
                                      attention_flops_per_token=attention_flops_per_token(self.model_args, t.seq_len))
+        # Hangs named in one line, stacks on disk (trainer/hang.py); per-rank step times (trainer/metrics.py).
+        self.watch = HangWatch(cfg.job.dump_folder, self.rank, tdist.world_size(),
+                               lambda: tdist.current_collective_timeout() or cfg.comm.train_timeout_seconds)
+        self.stragglers = StragglerMonitor(cfg.metrics, self.rank, tdist.world_size(), log=self.is_logging_rank)
         self.guard = StepGuard(t.max_skipped_steps, t.loss_spike_factor, lr=cfg.optimizer.lr)
         self.data_iter = iter(self.dataloader)
         gc.disable()
@@ -181,7 +186,8 @@ class Trainer:
         local = sum(count_tokens(labels, self.mtp_depth) for _, labels in batches)
         dp_mesh = self.dims.mesh("dp_cp")
         if dp_mesh is not None:
-            dist.all_reduce(local, group=dp_mesh.get_group())
+            with self.watch.phase("all_reduce (token count)"), self.stragglers.waiting():
+                dist.all_reduce(local, group=dp_mesh.get_group())
         return local
 
     @contextlib.contextmanager
@@ -228,21 +234,25 @@ class Trainer:
     def train_step(self, batches, *, with_metrics: bool = True) -> StepResult:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        with self.train_context(self.count_global_tokens(batches)):
+        with self.train_context(self.count_global_tokens(batches)), self.watch.phase("forward/backward"):
             loss_sum = self.forward_backward(batches)
-        grad_norm = clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
-            pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
+        with self.watch.phase("grad-norm all_reduce"):
+            grad_norm = clip_grad_norm_(
+                [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
+                pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
         lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step's update uses
         flags = [float(self.preemption.requested()), self.checkpointer.boundary_busy_flag()]
-        # [loss terms..., stop, busy, norm]: the same on every rank, read in one host sync per step.
-        scalars = torch.cat([self.reduce_loss_and_flags(loss_sum, flags).double(), grad_norm.double().reshape(1)])
-        # The guard decides on the device where the optimizers are fused (the update is launched
-        # before the host read); otherwise the host read moves before the update.
-        on_device = self.guard.enabled and self.guard.decides_on_device(self.optimizers)
-        if on_device:
-            self.guard.step_on_device(self.optimizers, self.guard.skip_flag(scalars, loss_sum.numel()))
-        values = scalars.tolist() if self.guard.enabled else None
+        step_time = self.stragglers.slots(with_metrics)  # log steps: every rank's step time rides along
+        # [loss terms..., stop, busy, (step time per rank), norm]: the same on every rank, one host sync per step.
+        with self.watch.phase("all_reduce (loss)"), self.stragglers.waiting():
+            scalars = torch.cat([self.reduce_loss_and_flags(loss_sum, flags, step_time).double(),
+                                 grad_norm.double().reshape(1)])
+            # The guard decides on the device where the optimizers are fused (the update is launched
+            # before the host read); otherwise the host read moves before the update.
+            on_device = self.guard.enabled and self.guard.decides_on_device(self.optimizers)
+            if on_device:
+                self.guard.step_on_device(self.optimizers, self.guard.skip_flag(scalars, loss_sum.numel()))
+            values = scalars.tolist() if self.guard.enabled else None
         skipped = None
         if self.guard.enabled:  # global losses and norm, the same on every rank: no collective
             losses, norm = values[:loss_sum.numel()], values[-1]
@@ -250,6 +260,7 @@ class Trainer:
             skipped = self.guard.check(self.step, loss, norm, log=self.rank == 0)
         extra: dict[str, float] = {}
         if skipped is None:
+            self.watch.at("optimizer step")
             if not on_device:
                 for opt in self.optimizers:
                     opt.step()
@@ -265,15 +276,21 @@ class Trainer:
                     extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
         if self.guard.total_skipped:
             extra["skipped_steps"] = float(self.guard.total_skipped)
-        values = values or scalars.tolist()
-        losses, (stop, busy), norm = values[:loss_sum.numel()], values[-3:-1], values[-1]
+        with self.watch.phase("all_reduce (loss)"), self.stragglers.waiting():
+            values = values or scalars.tolist()
+        n = loss_sum.numel()
+        losses, (stop, busy), norm = values[:n], values[n:n + 2], values[-1]
+        if step_time is not None:
+            extra.update(self.stragglers.observe(values[n + 2:-1], self.step))
         if self.mtp_depth:
             extra["mtp_loss"] = sum(losses[1:]) / self.mtp_depth
         return StepResult(loss=losses[0], grad_norm=norm, lr=lr, extra_metrics=extra, skipped=skipped,
                           stop=stop > 0, save_busy=busy > 0)
 
-    def reduce_loss_and_flags(self, loss_sum: torch.Tensor, flags: list[float]) -> torch.Tensor:
-        """[loss terms..., stop, busy] summed over every rank in one all-reduce. The loss is the
+    def reduce_loss_and_flags(self, loss_sum: torch.Tensor, flags: list[float],
+                              step_time: float | None = None) -> torch.Tensor:
+        """[loss terms..., stop, busy, (step time of rank 0..N-1)] summed over every rank in one
+        all-reduce (the step times on log steps: each rank fills its own slot). The loss is the
         global mean over valid tokens: the sum of every (pp, dp_cp) coordinate's terms (pipeline
         ranks without the last stage hold 0; TP ranks hold the same loss, so only TP rank 0's
         counts), which separate PP and DP all-reduces gave before. A flag summed over ranks is > 0
@@ -282,7 +299,12 @@ class Trainer:
         if self.dims.tp_enabled and self.dims.mesh("tp").get_local_rank() != 0:
             loss_sum = torch.zeros_like(loss_sum)
         # Filled on the device from Python scalars: a host-to-device copy would sync the stream.
-        packed = torch.cat([loss_sum, *(loss_sum.new_full((1,), f) for f in flags)])
+        parts = [loss_sum, *(loss_sum.new_full((1,), f) for f in flags)]
+        if step_time is not None:
+            slots = loss_sum.new_zeros(dist.get_world_size())
+            slots[self.rank] = step_time  # a fill kernel, no copy
+            parts.append(slots)
+        packed = torch.cat(parts)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
         return packed
@@ -300,12 +322,22 @@ class Trainer:
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
             while self.step < t.steps:
                 self.step += 1
+                self.stragglers.start_step()
+                self.watch.set_step(self.step)
                 if self.step % t.gc_freq == 0:
                     gc.collect(1)
                 last = self.step == t.steps
                 val_due = self.validator is not None and self.validator.should_run(self.step, last)
                 log_now = self.metrics.should_log(self.step, last) or val_due
-                result = self.train_step(self.next_microbatches(), with_metrics=log_now)
+                try:
+                    with self.watch.phase("data"):
+                        inject_test_faults(self.rank, self.step)
+                        batches = self.next_microbatches()
+                    result = self.train_step(batches, with_metrics=log_now)
+                    self.watch.at("logging and validation")
+                except Exception as e:  # noqa: BLE001 - a collective that timed out: name the hung rank
+                    self.watch.on_exception(e)
+                    raise
                 losses.append(result.loss)
                 self.metrics.add_tokens(tokens_per_step)
                 if log_now:
@@ -314,17 +346,21 @@ class Trainer:
                     self.metrics.record(self.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr,
                                         extra=extra)
                 if self.checkpointer.should_save(self.step, last):
-                    self.checkpointer.save(self.step, last_step=last)
+                    with self.watch.phase("checkpoint save"):
+                        self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:
                     profiler.step(self.step)
                 snapshotter.step(self.step)
                 if first_step:
                     tdist.set_collective_timeout(cfg.comm.train_timeout_seconds)
+                    self.watch.arm()
                     first_step = False
                 # The step's loss all-reduce also carried a stop asked of any rank, and whether an async
                 # save is written everywhere (then it is committed now, not at the next save).
                 if not last:
                     self.checkpointer.step_boundary(result.save_busy, self.step)
+                self.watch.at("between steps")
+                self.stragglers.end_step()
                 if not last and result.stop:
                     logger.info(f"preemption signal received: saving a checkpoint at step {self.step} and exiting")
                     if cfg.checkpoint.enable:
@@ -336,6 +372,7 @@ class Trainer:
     def close(self, destroy_process_group: bool = True) -> None:
         """Finishes pending saves and flushes metrics. Test drivers that run several
         trainers in one process group pass destroy_process_group=False."""
+        self.watch.close()
         self.checkpointer.close()
         self.metrics.close()
         gc.enable()
