@@ -1,0 +1,153 @@
+"""Runs the sections of the plan, each in its own process group under its own timeout, and
+rewrites `<out>/gpu_check.md` after every one (no torch import).
+
+    python -m gpu_check [--dry] [--out DIR] [--only a,b] [--deadline-s S] [--list]
+
+Everything lands in DIR as it happens: rows/<section>.json (each section's rows), env.json and
+env.md (the env section's report), gpu_check.log (every section's output), status.json (what
+ran, how it ended) and gpu_check.md (the table). SIGTERM/SIGINT stop the running section,
+mark it and write the table; a SIGKILL of this process is seen by the section itself, which
+then kills its own group (`sections.watch_parent`), so nothing keeps writing after it.
+Exit status: 0 when no row FAILED or MISMATCHed, 1 otherwise, 2 for a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gpu_check import report
+from gpu_check.plan import BY_NAME, DEADLINE_S, DRY_SCALE, PLAN, start_timeout
+from gpu_check.rows import write_json
+
+# Files of a previous run in the same folder: removed first, so the table never mixes runs.
+_RESULT_FILES = ("status.json", "env.json", "env.md", "gpu_check.log", report.TABLE)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class Driver:
+    def __init__(self, out: Path, names: list[str], dry: bool, deadline_s: float):
+        self.out, self.names, self.dry, self.deadline_s = out, names, dry, deadline_s
+        self.scale = DRY_SCALE if dry else 1
+        self.t0 = time.monotonic()
+        self.child: subprocess.Popen | None = None
+        self.current: str | None = None
+        self.status = {"dry": dry, "deadline_s": deadline_s, "started_at": _now(), "elapsed_s": 0.0,
+                       "sections": {n: {"state": "pending"} for n in names}}
+        out.mkdir(parents=True, exist_ok=True)
+        for name in _RESULT_FILES:
+            (out / name).unlink(missing_ok=True)
+        for old in (out / "rows").glob("*.json"):
+            old.unlink()
+        self.log = open(out / "gpu_check.log", "a", buffering=1)
+
+    def save(self) -> bool:
+        self.status["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        write_json(self.out / "status.json", self.status)
+        return report.render(self.out)[1]
+
+    def say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        self.log.write(line + "\n")
+
+    def _tee(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            sys.stderr.write(line)
+            self.log.write(line)
+        stream.close()
+
+    def run_section(self, name: str, timeout_s: float) -> dict:
+        cmd = [sys.executable, "-m", "gpu_check", "section", name, "--out", str(self.out)] + (["--dry"] if self.dry else [])
+        self.say(f"== {name} (timeout {timeout_s:.0f} s, {_now()})")
+        t0 = time.monotonic()
+        self.child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)  # its own group: a timeout kills its workers too
+        tee = threading.Thread(target=self._tee, args=(self.child.stdout,), daemon=True)
+        tee.start()
+        try:
+            rc = self.child.wait(timeout=timeout_s)
+            state = {"state": "exit", "rc": rc}
+        except subprocess.TimeoutExpired:
+            self.kill_child()
+            state = {"state": "timeout"}
+        tee.join(timeout=5)
+        self.child = None
+        return {**state, "timeout_s": timeout_s, "wall_s": round(time.monotonic() - t0, 1)}
+
+    def kill_child(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            try:
+                os.killpg(self.child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.child.wait()
+
+    def on_signal(self, signum, _frame) -> None:
+        self.kill_child()
+        if self.current is not None:
+            self.status["sections"][self.current] = {"state": "killed",
+                                                     "wall_s": round(time.monotonic() - self.t0, 1)}
+        self.status["stopped"] = f"signal {signal.Signals(signum).name} at {_now()}"
+        self.say(f"gpu_check: stopped by {signal.Signals(signum).name}; table in {self.out / report.TABLE}")
+        self.save()
+        os._exit(128 + signum)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self.on_signal)
+        self.save()
+        for name in self.names:
+            left = self.deadline_s - (time.monotonic() - self.t0)
+            timeout_s, why = start_timeout(BY_NAME[name], left, self.scale)
+            if timeout_s is None:
+                self.status["sections"][name] = {"state": "skipped", "why": why}
+                self.say(f"== {name}: {why}")
+            else:
+                self.current = name
+                self.status["sections"][name] = {"state": "running", "timeout_s": timeout_s}
+                self.save()
+                self.status["sections"][name] = self.run_section(name, timeout_s)
+                self.current = None
+            self.save()
+        self.status["finished_at"] = _now()
+        ok = self.save()
+        text = (self.out / report.TABLE).read_text()
+        print(text, end="")
+        self.say(f"table written to {self.out / report.TABLE}")
+        return 0 if ok else 1
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes (what the test suite runs)")
+    parser.add_argument("--out", default="out/gpu_check", help="the results folder (default out/gpu_check)")
+    parser.add_argument("--only", default="", help="comma-separated sections to run, in plan order")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help=f"stop starting sections after this (default {DEADLINE_S} s; x{DRY_SCALE} with --dry)")
+    parser.add_argument("--list", action="store_true", help="print the plan and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for s in PLAN:
+            print(f"{s.name:28s} {s.timeout_s:4d} s  {'core ' if s.core else 'extra'}  {s.kind:10s}  {s.what}")
+        return 0
+    names = [s.name for s in PLAN]
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in BY_NAME]
+        if unknown:
+            print(f"gpu_check.sh: --only: unknown section(s) {', '.join(unknown)}; see --list", file=sys.stderr)
+            return 2
+        names = [n for n in names if n in wanted]
+    deadline = args.deadline_s if args.deadline_s is not None else DEADLINE_S * (DRY_SCALE if args.dry else 1)
+    return Driver(Path(args.out).resolve(), names, args.dry, deadline).run()
