@@ -190,6 +190,11 @@ def test_logits_parity_import_export(case, qwen_dirs, tmp_path):
     assert ref.std() > 0.5, "logits too flat to test anything"
     import_diff = (ours - ref).abs().max().item()
     if case.startswith("moe"):  # routing matters: every MoE layer spreads its tokens unevenly
+        was_training = model.training
+        model.train()  # expert loads are counted in training forwards only (validation must not feed the bias)
+        with torch.no_grad():
+            model(tokens)
+        model.train(was_training)
         counts = torch.stack([b for n, b in model.named_buffers() if n.endswith("tokens_per_expert")])
         assert (counts > 0).sum() > counts.shape[0] * 4 and counts.float().std(dim=1).min() > 2
 
