@@ -116,15 +116,34 @@ def _install_agent_handlers() -> None:
 
     LocalElasticAgent._stop_workers = stop_workers
 
+    # The mask covers only this thread: a signal the kernel hands to another of the agent's
+    # threads still runs torchelastic's handler (installed inside start) in the main thread.
+    # While spawning, that handler holds our signals too; they are forwarded right after.
+    original_terminate = api._terminate_process_handler
+    held: list[int] = []
+    spawning = [False]
+
+    def terminate_or_hold(signum: int, frame) -> None:
+        if spawning[0] and signum in SPAWN_BLOCKED:
+            held.append(signum)
+            return
+        original_terminate(signum, frame)
+
+    api._terminate_process_handler = terminate_or_hold
+
     def start(self, *args, **kwargs):
         old = signal.pthread_sigmask(signal.SIG_BLOCK, SPAWN_BLOCKED)
+        spawning[0] = True
         try:
             return original_start(self, *args, **kwargs)
         finally:
             if threading.current_thread() is threading.main_thread():
                 for sig in FORWARDED_SIGNALS:
                     signal.signal(sig, _forward)
+            spawning[0] = False
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            while held:
+                _forward(held.pop(0), None)
 
     start._titan_wrapped = True  # type: ignore[attr-defined]
     api.PContext.start = start
