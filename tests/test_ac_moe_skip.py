@@ -9,7 +9,6 @@ keeps, which ops the recompute runs, and that gradients match `none` bitwise.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -19,14 +18,8 @@ aten = torch.ops.aten
 
 
 def _tiny_moe():
-    from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3
-    args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debug"], dim=64, n_layers=2, n_dense_layers=1, inter_dim=128,
-                               moe_inter_dim=32, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
-                               qk_rope_head_dim=8, v_head_dim=16, vocab_size=256, max_seq_len=64)
-    torch.manual_seed(0)
-    model = DeepSeekV3(args)
-    model.init_weights()
-    return model
+    from tests.test_activation_checkpoint import _tiny_deepseek  # one tiny DeepSeek for the AC tests
+    return _tiny_deepseek()
 
 
 @pytest.fixture(scope="module")
