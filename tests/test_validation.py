@@ -39,8 +39,28 @@ def test_validation_loss_equals_hand_computed_loss(tmp_path):
     # the held-out windows are the tail that training never draws
     train_src, val_src = trainer.dataloader.dataset.sources[0], trainer.validator.loader.dataset.sources[0]
     assert train_src.base.num_windows == val_src.base.num_windows and train_src.lo == 0
-    assert val_src.lo == train_src.num_windows and val_src.lo + val_src.num_windows == train_src.base.num_windows
+    assert val_src.lo == train_src.num_windows + 1 and val_src.lo + val_src.num_windows == train_src.base.num_windows
     assert logged["data/tokens/builtin"] == 2 * 2 * 64
+
+
+@pytest.mark.parametrize("n_tokens,fraction", [(64 * 50 + 1, 0.02), (64 * 50 + 40, 0.1), (64 * 3 + 1, 0.3)])
+def test_holdout_shares_no_token_with_training(n_tokens, fraction):
+    """Consecutive windows share a boundary token; the splits must not: no token position is in
+    both a training window (as input or label) and a validation window."""
+    import numpy as np
+
+    from trainer.data.loader import split_holdout
+    from trainer.data.windows import ArrayWindows
+
+    positions = ArrayWindows(np.arange(n_tokens), 64, "positions")  # token value = its position
+    train, val = (split_holdout(positions, fraction, part) for part in ("train", "val"))
+    train_pos = set(train.rows(np.arange(train.num_windows)).ravel().tolist())
+    val_pos = set(val.rows(np.arange(val.num_windows)).ravel().tolist())
+    assert val.num_windows == max(1, int(positions.num_windows * fraction))
+    assert train_pos.isdisjoint(val_pos), sorted(train_pos & val_pos)
+    assert train.num_windows + val.num_windows == positions.num_windows - 1  # one window left out, no more
+    with pytest.raises(ConfigError, match="validation.holdout: 0.5 leaves no training windows"):
+        split_holdout(ArrayWindows(np.arange(64 * 2 + 1), 64, "two"), 0.5, "train")
 
 
 def test_validation_config_errors(tmp_path):

@@ -42,18 +42,26 @@ def build_source(spec: SourceSpec, *, tokenizer, tokenizer_path: str, seq_len: i
     return source
 
 
+# Windows left out between the training rest and the held-out tail: consecutive windows share
+# one boundary token (windows.py), so without a gap the last training label would be the first
+# validation input.
+HOLDOUT_GAP = 1
+
+
 def split_holdout(source, fraction: float, part: str):
-    """The training rest or the held-out tail (last `fraction` of the windows) of a source."""
+    """The training rest or the held-out tail (last `fraction` of the windows) of a source,
+    HOLDOUT_GAP windows apart so that no token is in both."""
     if fraction <= 0 or source.num_windows is None:
         return source
     if source.kind == "stream":
         raise ConfigError(f"config error: validation.sources: data source {source.name!r} streams raw text and "
                           "cannot hold out a fraction; give validation its own sources")
     held = max(1, int(source.num_windows * fraction))
-    if held >= source.num_windows:
+    if held + HOLDOUT_GAP >= source.num_windows:
         raise ConfigError(f"config error: validation.holdout: {fraction} leaves no training windows in "
                           f"{source.name!r} ({source.num_windows} windows); lower it")
-    lo, hi = (0, source.num_windows - held) if part == "train" else (source.num_windows - held, source.num_windows)
+    first_held = source.num_windows - held
+    lo, hi = (0, first_held - HOLDOUT_GAP) if part == "train" else (first_held, source.num_windows)
     return WindowRange(source, lo, hi, source.name)
 
 
