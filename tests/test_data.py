@@ -301,6 +301,56 @@ def test_files_source_reads_every_format(tmp_path, tok):
     assert _files_tokens(tok, tmp_path / "hf", text_field="content") == _expected(tok, DOCS)
 
 
+def test_whitespace_only_records_are_skipped_by_every_source(tmp_path, tok):
+    """files, tokens (scripts/tokenize_data.py) and stream read the same documents from the same
+    corpus: a whitespace-only record is no document in any of them (documents.usable_text)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.data.pretokenize import tokenize_to_shards
+    from trainer.data.shards import TokenShards
+    from trainer.data.streaming import TextStreamSource
+
+    records = [DOCS[0], "   ", DOCS[1], "\n\t\n", "", DOCS[2], " \u3000 "]  # U+3000: ideographic space
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    pq.write_table(pa.table({"text": records[::-1]}), tmp_path / "in" / "b.parquet", row_group_size=4)
+    (tmp_path / "in" / "c.txt").write_text(" \n\t ")  # a whole .txt file of whitespace
+    docs = [r for r in records if r.strip()]
+    expected = _expected(tok, docs + docs[::-1])
+
+    assert _files_tokens(tok, tmp_path / "in") == expected
+    manifest = tokenize_to_shards([str(tmp_path / "in")], str(tmp_path / "tokens"), DEBUG_TOKENIZER,
+                                  progress_bar=False)
+    shards = TokenShards(str(tmp_path / "tokens"))
+    assert manifest["docs"] == 2 * len(docs) and manifest["skipped_records"] == 2 * (len(records) - len(docs)) + 1
+    assert np.concatenate([np.asarray(shards.tokens(k)) for k in range(len(shards.shards))]).tolist() == expected
+
+    seq = 8
+    reader = TextStreamSource(str(tmp_path / "in"), DEBUG_TOKENIZER, seq_len=seq, seed=0, text_field="text",
+                              name="s").reader(0, 1, None)
+    rows = reader.take(-(-(len(expected) - 1) // seq))  # one epoch: windows share a boundary token
+    stream = (rows[0].tolist() + rows[1:, 1:].ravel().tolist())[:len(expected)]
+    bos = [i for i, t in enumerate(stream) if t == tok.bos_id] + [len(stream)]
+    got = [tuple(stream[a:b]) for a, b in zip(bos[:-1], bos[1:])]  # the epoch's documents, in unit order
+    assert sorted(got) == sorted(tuple(tok.encode(d, bos=True, eos=True)) for d in docs + docs[::-1])
+
+
+def test_missing_text_column_is_one_message_for_files_and_stream(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.data.streaming import TextStreamSource
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    files_msg = _err(tok, str(tmp_path / "p.parquet"))
+    reader = TextStreamSource(str(tmp_path / "p.parquet"), DEBUG_TOKENIZER, seq_len=8, seed=0, text_field="text",
+                              name="s").reader(0, 1, None)
+    with pytest.raises(ConfigError) as e:
+        reader.take(1)
+    assert files_msg == str(e.value) and "no column 'text' (columns: ['body'])" in files_msg
+
+
 def _err(tok, path, seq_len=8, **kw):
     with pytest.raises(ConfigError) as e:
         _loader(tok, DataConfig(type="files", path=path, **kw), seq_len=seq_len, local_batch_size=1)

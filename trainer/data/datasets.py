@@ -99,7 +99,7 @@ def files_tokens(tokenizer: Tokenizer, tokenizer_sha256: str, path: str, *, text
 
     def texts():
         for _, _, text in iter_records(files, text_field):
-            if text and text.strip():
+            if text is not None:  # documents.usable_text decided
                 yield text
             else:
                 info["skipped"] += 1

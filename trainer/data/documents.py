@@ -67,6 +67,21 @@ def _counted_lines(f, path: str) -> Iterator[str]:
                            "(e.g. iconv -f latin1 -t utf-8)", path, bad)
 
 
+def usable_text(value) -> str | None:
+    """The one rule for which records are documents, shared by every source (files, the
+    offline tokenizer behind `tokens`, and `stream`): a string with something besides
+    whitespace. Anything else (missing, not a string, empty, whitespace only) is None and
+    is skipped, so the same corpus gives the same documents whichever way it is read."""
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def require_text_column(path: str, columns: list[str], text_field: str) -> None:
+    """A parquet/arrow file must have the text column; one line naming the file and the fix."""
+    if text_field not in columns:
+        raise ConfigError(f"config error: {path}: no column {text_field!r} (columns: {columns}); set the text "
+                          "field to the text column (--text-field, or text_field of the data source)")
+
+
 def _hidden(name: str) -> bool:
     return name.startswith(".") or name.startswith("_")
 
@@ -138,8 +153,7 @@ def _jsonl_records(path: str, text_field: str, skip: int) -> Iterator[str | None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config error: {path}:{lineno} is not valid JSON ({e.msg}); fix or remove "
                                   "that line") from None
-            text = obj.get(text_field) if isinstance(obj, dict) else None
-            yield text if isinstance(text, str) else None
+            yield usable_text(obj.get(text_field) if isinstance(obj, dict) else None)
 
 
 def _record_batches(path: str, text_field: str):
@@ -149,9 +163,7 @@ def _record_batches(path: str, text_field: str):
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ConfigError(f"config error: {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
-                              "pass --text-field (data text_field) with the text column")
+        require_text_column(path, pf.schema_arrow.names, text_field)
         yield from pf.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=[text_field])
         return
     source = pa.memory_map(path, "r")
@@ -161,9 +173,7 @@ def _record_batches(path: str, text_field: str):
         file_reader = pa.ipc.open_file(source)
         batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
     for batch in batches:
-        if text_field not in batch.schema.names:
-            raise ConfigError(f"config error: {path}: no column {text_field!r} (columns: {batch.schema.names}); "
-                              "pass --text-field (data text_field) with the text column")
+        require_text_column(path, batch.schema.names, text_field)
         yield batch.select([text_field])
 
 
@@ -176,19 +186,29 @@ def _table_records(path: str, text_field: str, skip: int) -> Iterator[str | None
             continue
         column = batch.column(0).to_pylist()
         for text in column[max(0, skip - seen):]:
-            yield text if isinstance(text, str) else None
+            yield usable_text(text)
         seen += n
+
+
+def row_group_records(path: str, group: int, text_field: str, skip: int = 0) -> Iterator[str | None]:
+    """The records of one parquet row group after the first `skip` (text or None, as file_records)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    require_text_column(path, pf.schema_arrow.names, text_field)
+    for text in pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()[skip:]:
+        yield usable_text(text)
 
 
 def file_records(path: str, text_field: str = "text", skip: int = 0) -> Iterator[str | None]:
     """The records of one file after the first `skip`: the text, or None for a record
-    without a usable text (blank line, missing field, not a string). A .txt file is
-    one record (the whole file)."""
+    without a usable text (usable_text: blank or whitespace-only, missing field, not a
+    string). A .txt file is one record (the whole file)."""
     if path.endswith(TEXT_EXTENSIONS):
         if skip == 0:
             with open(path, encoding="utf-8", errors=_UTF8_ERRORS) as f:
                 text = "".join(_counted_lines(iter(f.read, ""), path))  # one read, counted
-            yield text if text.strip() else None
+            yield usable_text(text)
         return
     if path.endswith(TABLE_EXTENSIONS):
         yield from _table_records(path, text_field, skip)

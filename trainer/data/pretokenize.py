@@ -83,7 +83,7 @@ def _chunks(files, text_field, start, chunk_chars, skipped):
     records without text are counted and dropped."""
     texts, chars = [], 0
     for fi, ri, text in iter_records(files, text_field, start):
-        if text:
+        if text is not None:  # documents.usable_text decided
             texts.append(text)
             chars += len(text)
         else:

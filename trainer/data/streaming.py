@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from trainer.configurable import ConfigError
-from trainer.data.documents import file_records, list_input_files
+from trainer.data.documents import file_records, list_input_files, row_group_records
 from trainer.data.sampling import Permutation, derive_keys
 
 
@@ -40,18 +40,7 @@ def _units(files: list[str]) -> list[tuple[str, int]]:
 
 def _unit_records(unit: tuple[str, int], text_field: str, skip: int):
     path, group = unit
-    if group < 0:
-        yield from file_records(path, text_field, skip)
-        return
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise ConfigError(f"config error: {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
-                          "set text_field of the source")
-    column = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
-    for text in column[skip:]:
-        yield text if isinstance(text, str) else None
+    return file_records(path, text_field, skip) if group < 0 else row_group_records(path, group, text_field, skip)
 
 
 class TextStreamSource:
@@ -111,7 +100,7 @@ class TextStreamReader:
                 self._records, self.cursor, self.record = None, self.cursor + 1, 0
                 continue
             self.record += 1
-            if text:
+            if text is not None:  # documents.usable_text decided
                 return self.tokenizer.encode(text, bos=True, eos=True)
 
     def take(self, n: int) -> np.ndarray:
