@@ -88,6 +88,8 @@ PRE_LAUNCH = [
     ("checkpoint folder not writable", {}, ["--checkpoint.enable", "true", "--checkpoint.folder",
                                             "{d}/a_file/ck"], "checkpoint.folder"),
     ("GPU requested, none here", {}, ["--training.device", "cuda"], "training.device"),
+    ("token folder with other BOS/EOS ids", {}, ["--data.type", "tokens", "--data.path", "{d}/tok_other_ids"],
+     "tok_other_ids was tokenized with BOS/EOS ids"),
     # checkpoints whose damage shows in names and sizes
     ("truncated .distcp", {}, TINY + ["--checkpoint.enable", "true", "--checkpoint.folder", "{d}/ck_truncated"],
      "ck_truncated/step-2"),
@@ -131,6 +133,17 @@ def _prepare(d: Path) -> None:
     (d / "small.txt").write_text("hi there\n")
     (d / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
     (d / "hf_empty").mkdir()
+    import json
+
+    from trainer.config import DEFAULT_TOKENIZER
+    from trainer.data.pretokenize import tokenize_to_shards
+
+    (d / "doc.jsonl").write_text(json.dumps({"text": "a document " * 20}) + "\n")
+    tokenize_to_shards([str(d / "doc.jsonl")], str(d / "tok_other_ids"), DEFAULT_TOKENIZER,
+                       progress_bar=False)
+    manifest = json.loads((d / "tok_other_ids" / "manifest.json").read_text())
+    manifest["tokenizer"]["bos_id"] += 1  # as another tokenizer config's special ids would
+    (d / "tok_other_ids" / "manifest.json").write_text(json.dumps(manifest))
     # One real checkpoint of the tiny model (step 2), then damaged copies.
     run_in_process(TINY + ["--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
                            "--checkpoint.folder", str(d / "ck_good"), "--job.dump_folder", str(d / "run")])

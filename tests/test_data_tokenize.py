@@ -155,6 +155,34 @@ def test_reader_refuses_damage_and_other_tokenizers(tmp_path, tok):
                            progress_bar=False)
 
 
+def test_token_folder_with_other_bos_eos_ids_is_refused_before_launch(tmp_path, tok, capsys):
+    """Same tokenizer file (hash), other BOS/EOS ids in the manifest (as a model folder's
+    generation_config.json can give): refused by the loader and by the pre-launch check, in
+    one line naming the folder, both id pairs and the fix, exit 2."""
+    from trainer.preflight import main as preflight
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(30, 7)))
+    out = tmp_path / "out"
+    tokenize_to_shards([str(tmp_path / "in.jsonl")], str(out), TOKENIZER, workers=1, progress_bar=False)
+    args = ["--data.type", "tokens", "--data.path", str(out), "--model.tokenizer_path", TOKENIZER,
+            "--job.dump_folder", str(tmp_path / "run")]
+    assert preflight(["--check-config", *args]) == 0  # the folder as written passes
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["eos_id"] = tok.eos_id + 3
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    want = (f"config error: data source 'out' path: {out} was tokenized with BOS/EOS ids {tok.bos_id}/"
+            f"{tok.eos_id + 3} (manifest.json), but this run's tokenizer has {tok.bos_id}/{tok.eos_id}; "
+            "retokenize it with this tokenizer (scripts/tokenize_data.py) or set model.tokenizer_path to the one "
+            "it was made with")
+    with pytest.raises(ConfigError) as e:
+        build_dataloader(DataConfig(type="tokens", path=str(out)), tokenizer=tok, tokenizer_path=TOKENIZER,
+                         seq_len=16, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0)
+    assert str(e.value) == want
+    capsys.readouterr()
+    assert preflight(["--check-config", *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [want]
+
+
 def test_non_utf8_bytes_are_counted_and_named_once(tmp_path, caplog):
     """Bytes that are not UTF-8 (a Latin-1 file) are read as U+FFFD, as before, but counted and
     named in one warning per file, by the trainer's reader and by scripts/tokenize_data.py."""

@@ -66,17 +66,22 @@ def describe_layout(dims, source: str) -> str:
 
 
 def check_runtime(cfg) -> None:
-    """What a worker would find wrong before step 1, cheaply: device, tokenizer, writable
-    output folders, initial weights."""
+    """What a worker would find wrong before step 1, cheaply: device, tokenizer, token folders
+    made with another tokenizer, writable output folders, initial weights."""
     from trainer import distributed as tdist
     from trainer.checkpoint import check_checkpoint_paths
     from trainer.config import DEFAULT_TOKENIZER
+    from trainer.data.loader import check_token_folders
     from trainer.data.tokenizer import build_tokenizer
     from trainer.errors import check_writable_folder
     from trainer.model_args import check_tokenizer_fits, model_label, tokenizer_path
 
     tdist.pick_device(cfg.training.device)
-    check_tokenizer_fits(build_tokenizer(tokenizer_path(cfg, DEFAULT_TOKENIZER)), cfg.model_args, model_label(cfg))
+    tok_path = tokenizer_path(cfg, DEFAULT_TOKENIZER)
+    tokenizer = build_tokenizer(tok_path)
+    check_tokenizer_fits(tokenizer, cfg.model_args, model_label(cfg))
+    specs = cfg.data.source_specs() + (cfg.validation.specs(cfg.data) if cfg.validation.enable else [])
+    check_token_folders(specs, tokenizer=tokenizer, tokenizer_path=tok_path)
     check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     check_checkpoint_paths(cfg.checkpoint, cfg.job.dump_folder)
 

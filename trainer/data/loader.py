@@ -15,6 +15,20 @@ from trainer.data.windows import ArrayWindows, ShardWindows, SyntheticWindows, W
 logger = logging.getLogger(__name__)
 
 
+def open_token_folder(spec: SourceSpec, *, tokenizer, tokenizer_path: str) -> TokenShards:
+    """A `tokens` source's folder, refused in one line unless it was made with this run's
+    tokenizer: the same file hash and the same BOS/EOS ids."""
+    return TokenShards(spec.path, expect_tokenizer_hash=tokenizer_hash(tokenizer_path),
+                       expect_special_ids=(tokenizer.bos_id, tokenizer.eos_id), what=f"data source {spec.name!r} path")
+
+
+def check_token_folders(specs: list[SourceSpec], *, tokenizer, tokenizer_path: str) -> None:
+    """The pre-launch check of every `tokens` source (reads manifests only)."""
+    for spec in specs:
+        if spec.type == "tokens":
+            open_token_folder(spec, tokenizer=tokenizer, tokenizer_path=tokenizer_path)
+
+
 def build_source(spec: SourceSpec, *, tokenizer, tokenizer_path: str, seq_len: int, seed: int):
     key = f"data source {spec.name!r}"
     if spec.type == "synthetic":
@@ -26,8 +40,8 @@ def build_source(spec: SourceSpec, *, tokenizer, tokenizer_path: str, seq_len: i
                                 name=spec.name, split=spec.split)
     sha = tokenizer_hash(tokenizer_path)
     if spec.type == "tokens":
-        shards = TokenShards(spec.path, expect_tokenizer_hash=sha, what=f"{key} path")
-        source = ShardWindows(shards, seq_len, spec.name)
+        source = ShardWindows(open_token_folder(spec, tokenizer=tokenizer, tokenizer_path=tokenizer_path), seq_len,
+                              spec.name)
     elif spec.type == "builtin":
         source = ArrayWindows(builtin_tokens(tokenizer, sha), seq_len, spec.name)
     elif spec.type == "files":

@@ -145,7 +145,8 @@ class TokenShards:
     """A finished token folder, memory-mapped lazily: opening it reads only the manifest and
     stats the shard files, so start-up and memory do not depend on the number of tokens."""
 
-    def __init__(self, folder: str, *, expect_tokenizer_hash: str | None = None, what: str = "data.path"):
+    def __init__(self, folder: str, *, expect_tokenizer_hash: str | None = None,
+                 expect_special_ids: tuple[int | None, int] | None = None, what: str = "data.path"):
         self.folder = folder
         fix = f"run `python scripts/tokenize_data.py --input <corpus> --output {folder}`"
         manifest = os.path.join(folder, MANIFEST)
@@ -171,6 +172,14 @@ class TokenShards:
                               f"{tok['sha256'][:12]}..., this run's is {expect_tokenizer_hash[:12]}...); "
                               "retokenize it or set model.tokenizer_path to the one it was made with")
         self.bos_id, self.eos_id, self.vocab_size = tok["bos_id"], tok["eos_id"], tok["vocab_size"]
+        # The hash covers the tokenizer files, not a model folder's generation_config/config.json,
+        # which may set BOS/EOS; document masking and packing rely on these ids, so compare them too.
+        if expect_special_ids is not None and (self.bos_id, self.eos_id) != tuple(expect_special_ids):
+            bos, eos = expect_special_ids
+            raise ConfigError(f"config error: {what}: {folder} was tokenized with BOS/EOS ids {self.bos_id}/"
+                              f"{self.eos_id} ({MANIFEST}), but this run's tokenizer has {bos}/{eos}; retokenize "
+                              "it with this tokenizer (scripts/tokenize_data.py) or set model.tokenizer_path to the "
+                              "one it was made with")
         self.shards: list[Shard] = []
         for entry in m["shards"]:
             s = Shard(os.path.join(folder, entry["file"]), os.path.join(folder, entry["index"]),
