@@ -12,7 +12,9 @@ import copy
 import dataclasses
 import itertools
 import logging
+import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,18 +33,39 @@ def test_knapsack_is_exact_on_a_known_instance_and_never_over_capacity():
     assert solve_knapsack(items, 10) == [1, 3]  # 4 + 3 <= 10, value 90 (brute force: best)
     assert solve_knapsack(items, 0) == []
     assert solve_knapsack([(3, 0), (2, 5)], 5) == [1]  # value-0 items are never taken
-    g = torch.Generator().manual_seed(0)
-    for trial in range(30):
-        n = int(torch.randint(1, 12, (1,), generator=g))
-        items = [(int(torch.randint(1, 10_000, (1,), generator=g)) * 7, int(torch.randint(0, 1000, (1,), generator=g)))
-                 for _ in range(n)]
-        cap = int(torch.randint(0, 40_000, (1,), generator=g))
-        got = solve_knapsack(items, cap, buckets=256)  # coarse grid: rounding, never over
-        assert sum(items[i][0] for i in got) <= cap
-        best = max(sum(items[i][1] for i in s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
-                   if sum(items[i][0] for i in s) <= cap)
-        assert sum(items[i][1] for i in got) >= 0.95 * best
-        assert sum(items[i][1] for i in solve_knapsack(items, cap)) == best  # fine grid: exact
+
+
+def _all_subsets(items):
+    """[2^n] total weights and values of every subset (brute force, vectorised)."""
+    n = len(items)
+    member = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1  # [2^n, n]
+    w, v = (np.array([it[k] for it in items], dtype=np.int64) for k in (0, 1))
+    return member, member @ w, member @ v
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_knapsack_guarantees_over_many_random_instances(seed):
+    """What solve_knapsack promises, checked by brute force on 250 instances per seed:
+    never over capacity; on a grid of unit u (the weights' gcd, or capacity/buckets if that
+    grid would be finer) it is the exact optimum with weights rounded up to whole units; so
+    it is worth at least every subset S that fits with |S| units of slack
+    (weight(S) + |S| u <= capacity), and with the default grid it is the true optimum."""
+    rng = np.random.default_rng(seed)
+    for _ in range(250):
+        n = int(rng.integers(1, 11))
+        items = [(int(rng.integers(1, 10_000)) * 7, int(rng.integers(0, 1000))) for _ in range(n)]
+        cap = int(rng.integers(0, 40_000))
+        member, weight, value = _all_subsets(items)
+        for buckets in (64, 256, 1 << 15):
+            got = solve_knapsack(items, cap, buckets=buckets)
+            got_w, got_v = sum(items[i][0] for i in got), sum(items[i][1] for i in got)
+            assert got_w <= cap and all(items[i][1] > 0 for i in got)
+            unit = max(math.gcd(*[w for w, v in items if v > 0] or [1]), -(-cap // buckets), 1)
+            rounded = member @ np.array([-(-w // unit) for w, _ in items])
+            assert got_v == value[rounded <= cap // unit].max()  # exact on the grid
+            assert got_v >= value[weight + member.sum(1) * unit <= cap].max()  # within |S| units of slack
+            if unit == math.gcd(*[w for w, v in items if v > 0] or [1]):
+                assert got_v == value[weight <= cap].max()  # no rounding: the true optimum
 
 
 def _block(which: str):
