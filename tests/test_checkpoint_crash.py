@@ -9,6 +9,7 @@ run's: it resumed from the newest complete checkpoint and lost only the steps af
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -113,6 +114,44 @@ def test_flipped_byte_in_a_tensor_is_refused(tmp_path):
     losses, _ = run_in_process(TINY + ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.verify_on_load",
                                        "false", "--job.dump_folder", str(tmp_path)])
     assert len(losses) == 2
+
+
+def test_on_corrupt_fallback_sets_damage_aside_and_resumes_exactly(tmp_path, caplog):
+    """checkpoint.on_corrupt: step-6 truncated (seen from sizes) and step-4 with one flipped bit
+    (seen by its checksum). stop (the default) refuses step-6 in one line, before launch too;
+    fallback renames both to step-N.corrupt with one log line each and resumes from step 2,
+    and steps 3-6 then equal the uninterrupted run's bitwise."""
+    from trainer.checkpoint import CheckpointConfig, check_checkpoint_paths
+
+    args = COMMON + ["--job.dump_folder", str(tmp_path)]
+    reference, _ = run_in_process(args)  # steps 1..6, saves 2, 4, 6
+    ck = tmp_path / "checkpoint"
+    shard6, shard4 = ck / "step-6" / "__0_0.distcp", ck / "step-4" / "__0_0.distcp"
+    os.truncate(shard6, shard6.stat().st_size // 2)
+    data = bytearray(shard4.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard4.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match=r"step-6 is not a complete checkpoint: __0_0.distcp has \d+ bytes"):
+        check_checkpoint_paths(CheckpointConfig(enable=True), str(tmp_path))  # pre-launch: stop
+    check_checkpoint_paths(CheckpointConfig(enable=True, on_corrupt="fallback"), str(tmp_path))  # moves nothing
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-6"]
+    with pytest.raises(CheckpointError, match=r"step-6 is not a complete checkpoint.*on_corrupt"):
+        run_in_process(args)
+    with pytest.raises(CheckpointError, match="another model"):  # a mismatch is no damage: fallback stops
+        run_in_process(args + ["--checkpoint.on_corrupt", "fallback", "--checkpoint.load_step", "2",
+                               "--model.flavor", "debug"])
+
+    caplog.set_level(logging.WARNING, logger="trainer")
+    losses, trainer = run_in_process(args + ["--checkpoint.on_corrupt", "fallback"])
+    assert trainer.step == STEPS and len(losses) == STEPS - 2  # resumed at step 2
+    assert losses == reference[2:]  # bitwise: steps 3..6 as if nothing had happened
+    moved = [r.getMessage() for r in caplog.records if "on_corrupt = fallback" in r.getMessage()]
+    assert len(moved) == 2 and "step-6 is not a complete checkpoint" in moved[0] and "step-6.corrupt" in moved[0]
+    assert "step-4 is damaged: __0_0.distcp differs" in moved[1] and "step-4.corrupt" in moved[1]
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-4.corrupt", "step-6",
+                                                    "step-6.corrupt"]
+    assert [s for s, _ in list_checkpoints(ck)] == [2, 4, 6]  # saved again, complete
 
 
 def test_keep_latest_k_never_deletes_the_last_full_state(tmp_path):

@@ -74,6 +74,10 @@ class CheckpointConfig:
                                        "Runs on any layout that then start from it begin with identical weights.")
     timeout_seconds: int = opt(1800, "Collective timeout while a checkpoint is saved or committed (after step 1 "
                                "the others drop to comm.train_timeout_seconds, too short for a large save).", min=1)
+    on_corrupt: str = opt("stop", "A damaged newest checkpoint (missing, truncated or checksum-failing files, "
+                          "unreadable metadata) at start-up: stop (one line, exit 2), or fallback (rename it to "
+                          "step-N.corrupt, log one line, resume from the complete one before it; for requeued "
+                          "jobs).", choices=("stop", "fallback"))
     verify_on_load: bool = opt(True, "Check every file against the CRC32 manifest written at save before loading "
                                "(each rank reads its share once; see scripts/bench_checkpoint.py for the cost).")
 
@@ -100,7 +104,11 @@ def check_checkpoint_paths(cfg: CheckpointConfig, dump_folder: str) -> None:
     if cfg.enable or cfg.last_save_in_hf:
         check_writable_folder(checkpoint_folder(cfg, dump_folder), "checkpoint.folder")
     if cfg.enable:
-        choose_resume(checkpoint_folder(cfg, dump_folder), cfg.load_step)
+        try:
+            choose_resume(checkpoint_folder(cfg, dump_folder), cfg.load_step)
+        except CheckpointError as e:  # fallback: the workers set it aside (Checkpointer.load), not this check
+            if not files.falls_back(checkpoint_folder(cfg, dump_folder), e, cfg.on_corrupt, cfg.load_step):
+                raise
     path = cfg.initial_load_path
     if path and not os.path.isdir(path):
         raise ConfigError(f"config error: checkpoint.initial_load_path: {path} is not a folder; point it at a "
@@ -376,8 +384,8 @@ class Checkpointer:
     def resume_path(self) -> Path | None:
         return choose_resume(self.folder, self.cfg.load_step)
 
-    def _refuse(self, path: Path, why: str) -> CheckpointError:
-        return refusal(self.folder, path, why)
+    def _refuse(self, path: Path, why: str, damaged: bool = False) -> CheckpointError:
+        return refusal(self.folder, path, why, damaged)
 
     def _verify(self, path: Path) -> None:
         """Collective: each rank checks its share of the files against the manifest."""
@@ -389,7 +397,7 @@ class Checkpointer:
             problem = files.verify_files(path, manifest, names[global_rank()::world])
         problems = [p for p in _all_gather(problem) if p]
         if problems:
-            raise self._refuse(path, f"is damaged: {problems[0]}")
+            raise self._refuse(path, f"is damaged: {problems[0]}", damaged=True)
 
     def _check_model_matches(self, path: Path, metadata, model_sd: dict[str, Any]) -> None:
         saved = metadata.state_dict_metadata
@@ -406,15 +414,32 @@ class Checkpointer:
         try:
             return dcp.FileSystemReader(str(path)).read_metadata()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure: unreadable metadata
-            raise self._refuse(path, f"has unreadable metadata ({_first_line(e)})") from None
+            raise self._refuse(path, f"has unreadable metadata ({_first_line(e)})", damaged=True) from None
 
     def load(self) -> int:
-        """Restores the newest complete checkpoint (or initial_load_path); returns the step to continue from."""
+        """Restores the newest complete checkpoint (or initial_load_path); returns the step to continue from.
+        on_corrupt = "fallback": damage (found before any load, alike on every rank: names and sizes,
+        or the all-gathered checksums) is set aside as step-N.corrupt and the one before loaded."""
         if self.cfg.enable:
             if global_rank() == 0:
                 for note in files.recover(self.folder):
                     logger.info(f"checkpoint: {note}")
             _barrier()
+        while True:
+            try:
+                return self._load_newest()
+            except CheckpointError as e:
+                if not files.falls_back(self.folder, e, self.cfg.on_corrupt, self.cfg.load_step):
+                    raise
+                _barrier()  # every rank has looked at the folder before it moves
+                if global_rank() == 0:
+                    path, why = e.damaged
+                    aside = files.set_aside(path)
+                    logger.warning(f"checkpoint: {path} {why}; moved it to {aside.name} and resuming from the newest "
+                                   "complete checkpoint before it (checkpoint.on_corrupt = fallback)")
+                _barrier()
+
+    def _load_newest(self) -> int:
         path = self.resume_path() if self.cfg.enable else None
         if path is None:
             if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:

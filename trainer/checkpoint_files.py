@@ -65,7 +65,14 @@ def crash_point(name: str, step: int) -> None:
 
 
 class CheckpointError(RuntimeError):
-    """An unreadable or mismatching checkpoint; one line naming the path and the fix."""
+    """An unreadable or mismatching checkpoint; one line naming the path and the fix.
+    `damaged` (path, why) when its files are (missing, truncated, checksum, unreadable
+    metadata), which checkpoint.on_corrupt = "fallback" may set aside; None for a mismatch
+    (another model), which no older checkpoint fixes."""
+
+    def __init__(self, message: str, damaged: tuple[Path, str] | None = None):
+        super().__init__(message)
+        self.damaged = damaged
 
 
 # ---- checksums ----
@@ -225,10 +232,37 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_folders(folder) if is_complete(p)]
 
 
-def refusal(folder: Path, path: Path, why: str) -> CheckpointError:
+def refusal(folder: Path, path: Path, why: str, damaged: bool = False) -> CheckpointError:
     steps = [s for s, _ in list_checkpoints(folder)]
-    return CheckpointError(f"checkpoint error: {path} {why}; delete it to resume from the one before, or pass "
-                           f"--checkpoint.load_step N (complete: {steps})")
+    fix = ("delete it, or set checkpoint.on_corrupt = \"fallback\", to resume from the one before, or pass "
+           if damaged else "delete it to resume from the one before, or pass ")
+    return CheckpointError(f"checkpoint error: {path} {why}; {fix}--checkpoint.load_step N (complete: {steps})",
+                           damaged=(path, why) if damaged else None)
+
+
+CORRUPT = ".corrupt"
+
+
+def falls_back(folder: Path, error: CheckpointError, on_corrupt: str, load_step: int) -> bool:
+    """checkpoint.on_corrupt = "fallback" applies to `error`: damage to a step-N folder of this
+    run, no explicit load_step, and an older complete checkpoint to resume from instead."""
+    if on_corrupt != "fallback" or load_step >= 0 or error.damaged is None:
+        return False
+    path = error.damaged[0]
+    m = STEP_DIR.match(path.name)
+    return (m is not None and path.parent.resolve() == folder.resolve()
+            and any(s < int(m.group(1)) for s, _ in list_checkpoints(folder)))
+
+
+def set_aside(path: Path) -> Path:
+    """Renames a damaged step-N to step-N.corrupt (.corrupt-2, ... if taken), which no listing
+    matches; kept, not deleted, so a person can look at it."""
+    target, k = path.with_name(path.name + CORRUPT), 1
+    while target.exists():
+        k += 1
+        target = path.with_name(f"{path.name}{CORRUPT}-{k}")
+    os.replace(path, target)
+    return target
 
 
 def choose_resume(folder: Path, load_step: int = -1) -> Path | None:
@@ -251,5 +285,6 @@ def choose_resume(folder: Path, load_step: int = -1) -> Path | None:
     newest_step, newest = (full or complete or [(-1, None)])[-1]
     broken = [p for s, p in every if s > newest_step and not is_complete(p)]
     if broken:
-        raise refusal(folder, broken[-1], f"is not a complete checkpoint: {incomplete_reason(broken[-1])}")
+        raise refusal(folder, broken[-1], f"is not a complete checkpoint: {incomplete_reason(broken[-1])}",
+                      damaged=True)
     return newest

@@ -140,8 +140,9 @@ class Trainer:
             if tdist.world_size() != 1:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
                                   "(NGPU=1), so that the weights do not depend on a parallel layout")
-        resuming = cfg.checkpoint.enable and self.checkpointer.resume_path() is not None
         self.step = 0 if cfg.checkpoint.create_seed_checkpoint else self.checkpointer.load()
+        # after load: it repairs crashed saves and may set damaged ones aside (checkpoint.on_corrupt)
+        resuming = cfg.checkpoint.enable and self.checkpointer.resume_path() is not None
         if cfg.model.hf_path and not resuming and not cfg.checkpoint.initial_load_path:
             # model.hf_path: the folder's weights, unless a checkpoint resumes (or initial_load_path gives others).
             load_hf_weights(self.model_parts, cfg.model.hf_path)
