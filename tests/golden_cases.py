@@ -39,6 +39,8 @@ COMMON = ["--training.steps", "20", "--training.seq_len", "64", "--training.loca
           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
 LLAMA = ["--config", "llama_debug.toml"]
 DEEPSEEK = ["--config", "deepseek_debug.toml"]
+QWEN3 = ["--config", "qwen3_debug.toml"]
+QWEN3_MOE = ["--config", "qwen3_moe_debug.toml"]
 
 # 2-rank layouts: the overrides on top of a case's args (global batch 4 stays 4). A case's own
 # args come after COMMON, so it may override it.
@@ -73,6 +75,10 @@ CASES: list[Case] = [
     # the grad norm drifts past 1e-5 by step 3 (tests/test_float8.py checks TP 2 at lr 1e-4).
     Case("llama_debug_float8_tensorwise", [*LLAMA, "--float8.enable", "true", "--float8.recipe", "tensorwise",
                                            "--training.local_batch_size", "2"], ("fsdp2",)),
+    # Qwen3: QK-norm, head_dim != dim / heads, tied head (so no PP: refused with tied embeddings).
+    Case("qwen3_debug", [*QWEN3], ("tp2",)),
+    # Qwen3-MoE: softmax top-2 with normalised weights, batch-scope balance loss, untied.
+    Case("qwen3_moe_debug", [*QWEN3_MOE], ("ep2",)),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
