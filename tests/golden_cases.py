@@ -4,8 +4,12 @@ Why: the parity tests compare every layout with one rank, so they cannot see a c
 moves every layout together (init, data order, the loss, a schedule, the router). A golden
 curve is the per-step loss and grad norm (and val loss where validation is on) of a short,
 fixed, fp32 CPU run through ./run_train.sh, committed in tests/golden/<case>.json; a rerun
-must reproduce it within GOLDEN_RTOL (bitwise in practice: OMP_NUM_THREADS is fixed, and a
-single-threaded fp32 CPU run is deterministic).
+must reproduce it within GOLDEN_RTOL. A single-threaded fp32 CPU run repeats bitwise on
+one machine, but not across CPU models: the same commit and torch wheel on two AVX512 Xeons
+differ by up to 1.3e-7 in loss and 1.4e-6 in grad norm over 20 steps (deepseek_debug_mtp1,
+step 14; MKL picks its kernels per CPU). So the loss is held to 1e-6, ten times that spread
+and still a tenth of the smallest one-line change shown to move it (init std x1.01: 8.4e-6
+at step 1), and the grad norm, which amplifies the spread, to 1e-5.
 
 Adding a case is one entry in CASES (then `python scripts/update_golden.py --case NAME
 --reason "..."`). `layouts` names the 2-rank layouts (LAYOUTS) the case also runs under,
@@ -24,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
-GOLDEN_RTOL = 1e-6
+GOLDEN_RTOL = {"loss": 1e-6, "val/loss": 1e-6, "grad_norm": 1e-5}
 LAYOUT_RTOL = 1e-5
 LAYOUT_STEPS = 6
 # The run's environment: one thread, so a rerun repeats every fp32 reduction order.
@@ -125,10 +129,11 @@ def load_golden(name: str) -> dict:
     return rec
 
 
-def first_divergence(name: str, got: dict[str, dict[int, float]], ref: dict[str, dict[int, float]], rtol: float,
-                     steps: int | None = None) -> str | None:
-    """None if `got` matches `ref` within rtol on every metric and step (the first `steps`
-    only, if given); else one line naming the first step that diverged and both values."""
+def first_divergence(name: str, got: dict[str, dict[int, float]], ref: dict[str, dict[int, float]],
+                     rtol: float | dict[str, float], steps: int | None = None) -> str | None:
+    """None if `got` matches `ref` within rtol (one for all metrics, or one per metric) on every
+    metric and step (the first `steps` only, if given); else one line naming the first step
+    that diverged and both values."""
     for m in ref:
         if m not in got:
             return f"{name}: {m} missing from the run (golden has it at steps {sorted(ref[m])[:5]}...)"
@@ -143,8 +148,9 @@ def first_divergence(name: str, got: dict[str, dict[int, float]], ref: dict[str,
                 return f"{name}: step {s} {m} missing from the run (golden {curve[s]:.6f})"
             g, r = got[m][s], curve[s]
             rel = abs(g - r) / max(abs(r), 1e-30)
-            if not rel <= rtol:  # also catches NaN
-                return f"{name}: step {s} {m} {g:.6f} != golden {r:.6f} (rel {rel:.1e} > {rtol:.0e})"
+            tol = rtol[m] if isinstance(rtol, dict) else rtol
+            if not rel <= tol:  # also catches NaN
+                return f"{name}: step {s} {m} {g:.6f} != golden {r:.6f} (rel {rel:.1e} > {tol:.0e})"
     return None
 
 
