@@ -91,12 +91,43 @@ def counted_attention(v_head_dim: int | None = None):
         _LEDGER = None
 
 
-def count_step(step_fn, v_head_dim: int | None = None) -> dict[str, int]:
-    """FLOPs of `step_fn()` (a forward and backward) as FlopCounterMode counts them, with the
-    attention through `reference_sdpa`: {"total", "attention_full", "attention_causal"}."""
+class LocalShapeFlopCounter:
+    """FlopCounterMode's formulas (its registry, `parallelisms.ac_ops.op_flops`) applied to each
+    rank's local shards. FlopCounterMode itself sees a DTensor op once, at the DTensor level,
+    and counts its global shape: under TP every rank would be credited with the whole matmul."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from parallelisms.ac_ops import op_flops
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.total += op_flops(func, args, kwargs, out)
+                return out
+
+        self.total, self._mode = 0, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
+def count_step(step_fn, v_head_dim: int | None = None, local_shapes: bool = False) -> dict[str, int]:
+    """FLOPs of `step_fn()` (a forward and backward) as FlopCounterMode counts them (on local
+    shards with `local_shapes`), with the attention through `reference_sdpa`:
+    {"total", "attention_full", "attention_causal"}."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with counted_attention(v_head_dim) as ledger, FlopCounterMode(display=False) as counter:
+    counter_cls = LocalShapeFlopCounter if local_shapes else (lambda: FlopCounterMode(display=False))
+    with counted_attention(v_head_dim) as ledger, counter_cls() as counter:
         step_fn()
     assert ledger.calls > 0
     return {"total": counter.get_total_flops(), "attention_full": ledger.full, "attention_causal": ledger.causal}
@@ -112,7 +143,8 @@ def run_case(case: dict, out: Path) -> None:
     trainer = Trainer(load_config(case["args"]))
     try:
         batches = trainer.next_microbatches()
-        counts = count_step(lambda: trainer.train_step(batches, with_metrics=False))
+        counts = count_step(lambda: trainer.train_step(batches, with_metrics=False),
+                            local_shapes=case.get("local_shapes", False))
         counts["tokens"] = trainer.cfg.training.local_batch_size * trainer.cfg.training.seq_len
         counts["flops_per_token"] = trainer.flops_per_token
     finally:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.flops_worker import count_step
+from trainer.metrics import attention_flops_per_token
 
 TOL = 0.02
 B, S = 2, 128
@@ -42,7 +43,6 @@ def _measure(spec_name: str, args, *, mtp: bool = False, document_ids: torch.Ten
     """(formula, measured) FLOPs per token in both conventions, and the attention ledger."""
     from models import get_model_spec
     from parallelisms.apply import build_model
-    from trainer.metrics import attention_flops_per_token
 
     spec = get_model_spec(spec_name)
     formula = spec.summary_fn(build_model(spec, args), args, S)["flops_per_token"]
@@ -158,53 +158,52 @@ def test_document_masking_keeps_the_window_convention():
 
 # --------------------------------------------------------------------------- context parallel
 
+# Llama debug_small (GQA 4 / 2 heads) at seq 128.
 CP_BASE = ["--model.flavor", "debug_small", "--training.seq_len", "128", "--training.local_batch_size", "2",
            "--training.steps", "1", "--metrics.enable_tensorboard", "false"]
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-def test_cp_rank_flops_times_cp_equal_one_rank(tmp_path):
-    """Under CP 2 (both methods) each rank's counted FLOPs, times cp, equal one rank's count
-    of the same step in the causal convention (the CP kernels attend exactly the causal
-    pairs: allgather's lower-right prefixes, alltoall's causal heads), every rank does the
-    same work (the head-tail layout balances it), and the per-token formula, which the
-    trainer divides by non_data_parallel_size (cp included) for tokens/s per device, is
-    the one-rank figure."""
-    from tests.helpers import run_in_process, torchrun
-
-    ref_args = CP_BASE + ["--job.dump_folder", str(tmp_path / "ref")]
+def test_cp_and_tp_rank_flops_times_degree_equal_one_rank(tmp_path):
+    """One 2-rank launch. Under CP 2 (both methods) each rank's counted FLOPs, times cp,
+    equal one rank's count of the same step in the causal convention: the CP kernels
+    attend exactly the causal pairs (allgather's lower-right prefixes, alltoall's causal
+    heads), and the head-tail layout gives each rank the same work. Under TP 2 each rank's
+    count on its local shards, times tp, equals one rank's (every matmul is sharded; the
+    attention runs on the rank's heads). The per-token formula is the one-rank figure in
+    every layout (it is computed on the unsharded meta model); MetricsLogger divides tokens/s
+    by non_data_parallel_size (cp x tp x pp), so MFU per device is this share."""
+    from tests.helpers import torchrun
     from trainer.config import load_config
     from trainer.train import Trainer
 
-    trainer = Trainer(load_config(ref_args))
+    trainer = Trainer(load_config(CP_BASE + ["--job.dump_folder", str(tmp_path / "ref")]))
     try:
         batches = trainer.next_microbatches()
         ref = count_step(lambda: trainer.train_step(batches, with_metrics=False))
         ref_formula = trainer.flops_per_token
+        half_attention = attention_flops_per_token(trainer.model_args, S) / 2
     finally:
         trainer.close()
-    cases = [{"name": m, "args": CP_BASE + ["--parallelism.context_parallel_degree", "2",
-                                            "--parallelism.context_parallel_method", m,
-                                            "--job.dump_folder", str(tmp_path / m)]}
-             for m in ("allgather", "alltoall")]
+    assert trainer.dims.non_data_parallel_size == 1
+    layouts = {"cp2_allgather": ["--parallelism.context_parallel_degree", "2"],
+               "cp2_alltoall": ["--parallelism.context_parallel_degree", "2",
+                                "--parallelism.context_parallel_method", "alltoall"],
+               "tp2": ["--parallelism.tensor_parallel_degree", "2"]}
+    cases = [{"name": n, "local_shapes": n == "tp2", "args": CP_BASE + extra + ["--job.dump_folder", str(tmp_path / n)]}
+             for n, extra in layouts.items()]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     torchrun(2, [str(tmp_path / "cases.json"), str(tmp_path / "out")], module="tests.flops_worker", timeout=600)
     ref_causal = ref["total"] - ref["attention_full"] + ref["attention_causal"]
     tokens = B * S
-    for case in cases:
-        ranks = json.loads((tmp_path / "out" / f"{case['name']}.json").read_text())
+    rel = abs((ref_formula - half_attention) * tokens - ref_causal) / ref_causal
+    assert rel <= TOL
+    for name in layouts:
+        ranks = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         causal = [r["total"] - r["attention_full"] + r["attention_causal"] for r in ranks]
-        print(f"\ncp2 {case['name']}: per rank {causal} causal FLOPs; one rank {ref_causal}")
+        print(f"\n{name}: per rank {causal} causal FLOPs per step; one rank {ref_causal} (formula {rel:.2%} off)")
         assert causal[0] == causal[1] and 2 * causal[0] == ref_causal
         assert all(r["flops_per_token"] == ref_formula for r in ranks)
-        formula_causal = ref_formula - _attention_half(ref_args)
-        assert abs(formula_causal * tokens - 2 * causal[0]) / (2 * causal[0]) <= TOL
-
-
-def _attention_half(args: list[str]) -> float:
-    from trainer.config import load_config
-    from trainer.metrics import attention_flops_per_token
-
-    cfg = load_config(args)
-    return attention_flops_per_token(cfg.model_args, cfg.training.seq_len) / 2
+        if name == "tp2":  # the non-causal count splits too (CP's prefixes are not [S, S] calls)
+            assert 2 * ranks[0]["total"] == ref["total"]
