@@ -106,3 +106,169 @@ def test_bias_update_counts_training_forwards_only(tmp_path):
     assert len(before) == 5 and any(b.abs().sum() > 0 for b in before)  # the bias moved
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert all(m.training for part in on.model_parts for m in part.modules())  # train mode after validation
+
+
+# --------------------------------------------------------------------------- top-k normalisation
+
+
+def _router(model: str, flavor: str, *extra: str):
+    """The first MoE layer's router of `model` `flavor` as the config resolves it (no experts built)."""
+    import importlib
+
+    from models.common.moe import TopKRouter
+    from trainer.config import load_config
+
+    cfg = load_config(["--model.name", model, "--model.flavor", flavor, *extra])
+    moe_args = importlib.import_module(f"models.{model}.model").moe_args_from(cfg.model_args)
+    torch.manual_seed(0)
+    router = TopKRouter(cfg.model_args.dim, moe_args)
+    router.init_weights(0.02)
+    return router, moe_args
+
+
+@pytest.mark.parametrize("model,flavor,normalised", [
+    ("deepseek_v3", "debug", True),    # sigmoid scores: normalised (V3), then x route_scale
+    ("deepseek_v3", "16B", False),     # softmax scores (V2-Lite shape): the raw top-k probabilities
+    ("qwen3", "debug_moe", True),      # softmax, norm_topk_prob
+])
+def test_topk_weights_normalisation_per_model(model, flavor, normalised):
+    """Row "top-k weights": each model's own rule, and `--moe.route_norm` overrides it."""
+    for override, expect in ((None, normalised), (str(not normalised).lower(), not normalised)):
+        router, moe_args = _router(model, flavor, *(("--moe.route_norm", override) if override else ()))
+        x = torch.randn(32, router.gate.in_features)
+        with torch.no_grad():
+            weights, ids, scores = router(x)
+        raw = scores.gather(1, ids) * moe_args.route_scale
+        sums = weights.sum(dim=-1)
+        if expect:
+            assert torch.allclose(sums, torch.full_like(sums, moe_args.route_scale), rtol=1e-6)
+            assert not torch.allclose(weights, raw)
+        else:
+            assert torch.equal(weights, raw) and (sums - moe_args.route_scale).abs().min() > 1e-3
+
+
+# --------------------------------------------------------------------------- dropless routing
+
+
+def _swiglu(x, w1, w2, w3):
+    return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_routing_is_dropless_at_any_load(grouped):
+    """Row "dropless": every (token, pick) runs through its expert, however uneven the loads.
+    With biases that send every token to the same two experts (6 idle), and with a skew
+    that leaves loads uneven, the MoE output equals the per-token sum of its k experts'
+    outputs (weighted) plus the shared expert, and the counted loads add up to tokens x k."""
+    from models.common.moe import MoE, MoEArgs
+
+    torch.manual_seed(0)
+    moe = MoE(32, 48, MoEArgs(num_experts=8, top_k=2, num_shared_experts=1, score_func="sigmoid",
+                              use_grouped_mm=grouped))
+    moe.init_weights(0.1, 0.1)
+    x = torch.randn(2, 40, 32)  # 80 tokens
+    for bias in ([5.0, 5.0, 0, 0, 0, 0, 0, 0], [0.3, 0.2, 0.1, 0, 0, 0, -5.0, -5.0]):
+        moe.expert_bias.copy_(torch.tensor(bias))
+        moe.tokens_per_expert.zero_()
+        out = moe(x)
+        flat = x.reshape(-1, 32)
+        weights, ids, _ = moe.route(flat)
+        e = moe.experts
+        ref = torch.stack([sum(weights[t, j] * _swiglu(flat[t], e.w1[ids[t, j]], e.w2[ids[t, j]], e.w3[ids[t, j]])
+                               for j in range(2)) for t in range(flat.shape[0])]) + moe.shared_experts(flat)
+        loads = moe.tokens_per_expert
+        print(f"\nbias {bias}: loads {loads.tolist()}")
+        assert int(loads.sum()) == 80 * 2 and (loads == torch.bincount(ids.flatten(), minlength=8)).all()
+        assert loads.max() >= 40  # uneven: one expert takes at least half of the tokens
+        torch.testing.assert_close(out.reshape(-1, 32), ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- aux-loss scopes (one layer)
+
+
+def _aux(moe, x, **kw) -> torch.Tensor:
+    moe.zero_grad()
+    moe.aux_loss_count_reduce = kw.get("count_reduce")
+    moe(x)
+    return moe.aux_loss.clone()
+
+
+@pytest.mark.parametrize("scope", ["sequence", "batch"])
+def test_aux_loss_scope_of_one_forward(scope):
+    """Rows "sequence aux loss" and "batch aux loss", on one layer, against the definitions:
+    with G sequences per optimizer step, a forward of b sequences of S tokens adds
+    sequence: coeff / G x sum over its sequences of sum_i f_i P_i (each sequence's own f, P);
+    batch:    coeff x b / G x sum_i f_i P_i over all b x S tokens (one f, P for the forward).
+    f_i = E / (K T) x picks of expert i among T tokens; P_i = mean normalised score of i.
+    So splitting a forward in two (accumulation, or dp ranks) keeps the sequence loss and
+    changes the batch loss; a sequence split over ranks (CP, SP), whose pick counts are
+    summed over the slices (`aux_loss_count_reduce`), gives the whole forward's loss."""
+    from models.common.moe import MoE, MoEArgs
+
+    torch.manual_seed(0)
+    coeff, G, E, K = 0.5, 4, 8, 2
+    moe = MoE(16, 16, MoEArgs(num_experts=E, top_k=K, num_shared_experts=0, score_func="softmax",
+                              aux_loss_coeff=coeff, aux_loss_scope=scope, use_grouped_mm=False))
+    moe.init_weights(0.5, 0.1)
+    moe.aux_loss_scale = 1.0 / G
+    x = torch.randn(2, 12, 16)
+
+    @torch.no_grad()
+    def by_hand(xs: torch.Tensor) -> float:  # xs [T, D]: one f, P over these tokens
+        _, ids, scores = moe.route(xs)
+        f = torch.bincount(ids.flatten(), minlength=E) * E / (K * xs.shape[0])
+        return float((f * scores.mean(dim=0)).sum())
+
+    whole = _aux(moe, x).item()
+    if scope == "sequence":
+        assert whole == pytest.approx(coeff / G * (by_hand(x[0]) + by_hand(x[1])), rel=1e-5)
+    else:
+        assert whole == pytest.approx(coeff * 2 / G * by_hand(x.reshape(-1, 16)), rel=1e-5)
+    split = _aux(moe, x[:1]).item() + _aux(moe, x[1:]).item()  # two forwards of one sequence
+    if scope == "sequence":
+        assert split == pytest.approx(whole, rel=1e-6)
+    else:
+        assert abs(split - whole) > 1e-3 * whole  # the batch scope is per forward
+
+    # Each sequence cut in two slices, as CP / SP ranks hold it: counts summed over the slices.
+    halves = [x[:, :6], x[:, 6:]]
+    picks = []
+
+    def collect(counts):
+        picks.append(counts)
+        return counts, 2
+
+    for h in halves:
+        _aux(moe, h, count_reduce=collect)
+    total = picks[0] + picks[1]
+    sliced = sum(_aux(moe, h, count_reduce=lambda c: (total, 2)).item() for h in halves)
+    assert sliced == pytest.approx(whole, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- config fields
+
+
+def test_moe_fields_reach_the_model_and_bad_values_are_one_line():
+    """Every changeable behaviour is a [moe] field (default: the model's own), validated once."""
+    from models.deepseek_v3.model import moe_args_from as ds_moe
+    from models.qwen3.model import moe_args_from as qwen_moe
+    from trainer.config import load_config
+    from trainer.configurable import ConfigError
+
+    ds = ["--model.name", "deepseek_v3", "--model.flavor", "debug"]
+    qw = ["--model.name", "qwen3", "--model.flavor", "debug_moe"]
+    assert ds_moe(load_config(ds).model_args).aux_loss_scope == "sequence"
+    assert qwen_moe(load_config(qw).model_args).aux_loss_scope == "batch"
+    a = ds_moe(load_config(ds + ["--moe.aux_loss_scope", "batch", "--moe.route_norm", "false",
+                                 "--moe.bias_update_rate", "0", "--moe.aux_loss_coeff", "0.1"]).model_args)
+    assert (a.aux_loss_scope, a.route_norm, a.aux_loss_coeff) == ("batch", False, 0.1)
+    assert load_config(ds + ["--moe.bias_update_rate", "0"]).model_args.load_balance_coeff == 0
+    for args, message in [
+        (qw + ["--moe.aux_loss_scope", "global"], "config error: moe.aux_loss_scope: 'global' is not one of sequence, batch"),
+        (["--model.name", "qwen3", "--model.flavor", "debug", "--moe.route_norm", "true"],
+         "config error: moe.route_norm: qwen3 debug has no mixture-of-experts layers; drop it"),
+        (["--moe.aux_loss_coeff", "0.1"], "config error: moe.aux_loss_coeff: llama3 debug has no mixture-of-experts"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(args)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
