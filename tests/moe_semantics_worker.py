@@ -4,7 +4,7 @@
 
 For each case the rank at dp, cp and tp coordinate 0 of every pipeline stage writes
 OUT_DIR/<name>.stage<pp>.pt = {"losses", "loads", "params", "grads", "buffers"}: `loads` is
-one [L, E] tensor per step, the expert loads each bias update used (summed over the stage's
+one [L, E] tensor per step ([0] on a stage without MoE layers), the expert loads each bias update used (summed over the stage's
 ranks, the MoE layers of this stage in order); the rest as tests/ep_worker.py writes them
 (unsharded; grads of the last step; expert_bias after it). Importing this module registers
 the DeepSeek `ep_test` flavor (1 dense + 2 MoE blocks, 8 experts top 2).
@@ -36,8 +36,7 @@ def recording_loads():
 
     def update(*args, **kwargs):
         counts = moe.update_moe_load_balance_bias(*args, **kwargs)
-        if counts is not None:
-            loads.append(counts.clone())
+        loads.append(counts.clone() if counts is not None else torch.empty(0))  # (a stage without MoE layers)
         return counts
 
     saved = [(m, m.update_moe_load_balance_bias) for m in (deepseek, qwen3)]

@@ -272,3 +272,120 @@ def test_moe_fields_reach_the_model_and_bad_values_are_one_line():
         with pytest.raises(ConfigError) as e:
             load_config(args)
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- one launch: loads, bias, scopes
+
+_COMMON = ["--training.seq_len", "32", "--training.global_batch_size", "4", "--training.steps", "2",
+           "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-3", "--optimizer.eps", "1e-4",
+           "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0", "--metrics.log_freq", "1",
+           "--metrics.enable_tensorboard", "false", "--data.type", "synthetic"]
+# DeepSeek `ep_test` (1 dense + 2 MoE blocks, 8 experts top 2), bias update on, sequence aux loss on.
+_DS = ["--model.name", "deepseek_v3", "--model.flavor", "ep_test", "--moe.aux_loss_coeff", COEFF, *_COMMON]
+# Qwen3 debug_moe (batch-scope aux loss, no bias update) at a coefficient where the loss matters.
+_QW = ["--model.name", "qwen3", "--model.flavor", "debug_moe", "--moe.aux_loss_coeff", "2.0", *_COMMON,
+       "--training.global_batch_size", "2"]
+_LB = "--training.local_batch_size"
+_CP2 = ["--parallelism.context_parallel_degree", "2"]
+_TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+
+# name -> (args, loads factor vs one rank): the loads behind every bias update, summed over dp x cp x tp.
+DS_LAYOUTS = {
+    "ds_fsdp2": ([_LB, "2"], 1),
+    "ds_cp2": ([_LB, "4", *_CP2], 1),
+    "ds_tp2_sp": ([_LB, "4", *_TP2], 1),
+    "ds_tp2_nosp": ([_LB, "4", *_TP2, "--parallelism.enable_sequence_parallel", "false"], 2),  # same tokens twice
+    "ds_pp2": ([_LB, "4", "--parallelism.pipeline_parallel_degree", "2"], 1),  # 4 microbatches, per stage
+    "ds_ep2": ([_LB, "2", "--parallelism.expert_parallel_degree", "2"], 1),
+}
+QW_LAYOUTS = {
+    "qw_fsdp2": [_LB, "1"],  # batch scope: one forward = one sequence per rank
+    "qw_cp2": [_LB, "2", *_CP2],  # batch scope over whole sequences: the one-rank forward of 2
+}
+
+
+def _stages(out: Path, name: str) -> dict:
+    """The per-stage records of one case merged: loads concatenated over stages (layer order)."""
+    recs = [torch.load(p, weights_only=False) for p in sorted(out.glob(f"{name}.stage*.pt"))]
+    assert recs, name
+    merged = {"losses": recs[-1]["losses"], "grads": {}, "buffers": {},
+              "loads": [torch.cat([r["loads"][i] for r in recs]) for i in range(len(recs[0]["loads"]))]}
+    for r in recs:
+        merged["grads"].update(r["grads"])
+        merged["buffers"].update(r["buffers"])
+    return merged
+
+
+@pytest.fixture(scope="module")
+def semantics_runs(tmp_path_factory):
+    """One-rank references in this process, then every layout in one 2-rank launch."""
+    from tests.moe_semantics_worker import train
+
+    root = tmp_path_factory.mktemp("moe_semantics")
+    ref = {name: train(args + ["--job.dump_folder", str(root / name)])[0] for name, args in {
+        "ds": _DS + [_LB, "4"],
+        "ds_accum4": _DS + [_LB, "1"],
+        "ds_ac_full": _DS + [_LB, "4", "--activation_checkpoint.mode", "full"],
+        "qw_batch2": _QW + [_LB, "2"],
+        "qw_accum2": _QW + [_LB, "1"],
+    }.items()}
+    cases = [{"name": n, "args": _DS + extra + ["--job.dump_folder", str(root / n)]}
+             for n, (extra, _) in DS_LAYOUTS.items()]
+    cases += [{"name": n, "args": _QW + extra + ["--job.dump_folder", str(root / n)]} for n, extra in QW_LAYOUTS.items()]
+    (root / "cases.json").write_text(json.dumps(cases))
+    torchrun(2, [str(root / "cases.json"), str(root / "out")], module="tests.moe_semantics_worker", timeout=900)
+    return ref, {c["name"]: _stages(root / "out", c["name"]) for c in cases}
+
+
+def _grad_rel(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys()
+    return max(_rel(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bias_update_loads_and_reduction_per_layout(semantics_runs):
+    """Rows "bias update": after every optimizer step, from the loads of that step's training
+    forwards (every microbatch; the pipeline's shape-inference pass and validation excluded),
+    summed over dp x cp x tp (each pipeline stage its own layers; EP borrows dp ranks). The
+    loads equal one rank's exactly (twice them with TP without SP, where both TP ranks route
+    the same tokens, and with full AC, whose recompute routes again: a per-layer factor that
+    sign(mean - load) ignores), and so does the bias after 2 steps."""
+    ref, runs = semantics_runs
+    base = ref["ds"]
+    assert len(base["loads"]) == 2 and base["loads"][0].shape == (2, 8) and int(base["loads"][0].sum()) == 2 * 4 * 32 * 2
+    assert any(b.abs().sum() > 0 for b in base["buffers"].values())  # the bias moved
+    checks = {**{n: (runs[n], f) for n, (_, f) in DS_LAYOUTS.items()},
+              "ds_accum4": (ref["ds_accum4"], 1), "ds_ac_full": (ref["ds_ac_full"], 2)}
+    for name, (got, factor) in checks.items():
+        loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], base["losses"]))
+        print(f"\n{name}: loads x{factor} {'==' if all(torch.equal(g, factor * r) for g, r in zip(got['loads'], base['loads'])) else '!='} one rank; "
+              f"loss rel {loss:.1e}")
+        assert len(got["loads"]) == 2 and all(torch.equal(g, factor * r) for g, r in zip(got["loads"], base["loads"]))
+        assert got["buffers"].keys() == base["buffers"].keys()
+        assert all(torch.equal(got["buffers"][k], base["buffers"][k]) for k in base["buffers"])
+        assert loss <= TOL
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_aux_loss_scopes_per_layout(semantics_runs):
+    """Rows "sequence aux loss" and "batch aux loss" end to end (Qwen3 debug_moe, the loss at
+    coefficient 2). Batch scope: a forward's tokens are one group, so FSDP 2 with one sequence
+    per rank equals one rank accumulating 2 microbatches of 1, not one forward of 2; CP 2
+    (each rank half of both sequences) equals the one-rank forward of 2 (whole sequences).
+    DeepSeek's sequence scope under
+    dp, tp with SP, pp, ep and accumulation is tests/test_moe_balance.py; under CP,
+    test_sequence_aux_loss_under_cp_equals_one_rank above."""
+    ref, runs = semantics_runs
+    apart = _grad_rel(ref["qw_accum2"]["grads"], ref["qw_batch2"]["grads"])
+    print(f"\nbatch scope: 2 forwards of 1 vs 1 forward of 2, grads rel {apart:.2e}")
+    assert apart > 1e-3  # the scope matters at this coefficient
+    for name, want in (("qw_fsdp2", "qw_accum2"), ("qw_cp2", "qw_batch2")):
+        got, exp = runs[name], ref[want]
+        loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], exp["losses"]))
+        grad = _grad_rel(got["grads"], exp["grads"])
+        print(f"{name} vs {want}: loss rel {loss:.1e}, grad rel {grad:.1e}")
+        assert loss <= TOL and grad <= TOL
