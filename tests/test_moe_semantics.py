@@ -389,3 +389,44 @@ def test_aux_loss_scopes_per_layout(semantics_runs):
         grad = _grad_rel(got["grads"], exp["grads"])
         print(f"{name} vs {want}: loss rel {loss:.1e}, grad rel {grad:.1e}")
         assert loss <= TOL and grad <= TOL
+
+
+@pytest.mark.timeout(300)
+def test_a_skipped_step_leaves_no_loads_behind(tmp_path):
+    """Row "bias update": a step the step guard skips (non-finite gradient norm) updates no
+    bias, and its loads are dropped, so the next update counts only its own step's tokens
+    (before, they were added to the next step's: two steps' routing steered one update)."""
+    from tests.moe_semantics_worker import recording_loads
+    from trainer.config import load_config
+    from trainer.train import Trainer
+
+    trainer = Trainer(load_config(_DS + [_LB, "4", "--training.steps", "3", "--job.dump_folder", str(tmp_path)]))
+    original = trainer.forward_backward
+
+    def forward_backward(batches):
+        loss = original(batches)
+        if trainer.step == 2:
+            next(trainer.model_parts[0].parameters()).grad.view(-1)[0] = float("nan")
+        return loss
+
+    trainer.forward_backward = forward_backward
+    biases = lambda: [b.clone() for n, b in trainer.model_parts[0].named_buffers() if n.endswith("expert_bias")]  # noqa: E731
+    seen = {}
+    step = trainer.train_step
+
+    def train_step(batches, **kw):
+        result = step(batches, **kw)
+        seen[trainer.step] = (result.skipped, biases())
+        return result
+
+    trainer.train_step = train_step
+    with recording_loads() as loads:
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    assert seen[2][0] == "non-finite gradient norm" and seen[1][0] is None and seen[3][0] is None
+    assert all(torch.equal(a, b) for a, b in zip(seen[1][1], seen[2][1]))  # no bias update at step 2
+    assert len(loads) == 2  # steps 1 and 3
+    per_step = 4 * 32 * 2  # sequences x tokens x top-k, per MoE layer
+    assert [[int(v) for v in step_loads.sum(dim=1)] for step_loads in loads] == [[per_step] * 2] * 2
