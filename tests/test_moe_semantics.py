@@ -1,14 +1,19 @@
-"""The MoE semantics table of docs/moe.md, one test per row (and the review's MoE fixes).
+"""The MoE semantics table of docs/moe.md ("Semantics: routing, balancing and the aux
+losses"), one test per row, and the review's MoE fixes.
 
-- The sequence balance loss averages over whole sequences of the global batch under
-  every layout. Issue 19: under context parallelism each CP rank computed it from its
-  own S / cp tokens' pick counts and scores, and FSDP summed the router gradients over
-  dp_shard x cp, so the loss's gradient came out ~cp times too large. Now the counts are
-  summed over CP (and TP under SP) by a plan-installed reduction
-  (parallelisms/sequence_shards.py); DeepSeek debug with `--moe.aux_loss_coeff 0.01` at
-  cp 2 (both methods) and cp 2 x tp 2 equals one rank within 1e-5 (losses of both steps,
-  last-step gradients; before the fix the router's were 1.23 relative off). The other layouts (dp, tp with SP, pp, accumulation, ep)
-  are tests/test_moe_balance.py.
+- When the bias updates, from which forwards, reduced over which meshes: one 2-rank launch
+  (tests/moe_semantics_worker.py) records the loads behind every bias update under FSDP 2,
+  CP 2, TP 2 with and without SP, PP 2 and EP 2, against one rank (and accumulation and
+  full AC in process); validation forwards and skipped steps do not count.
+- The sequence aux loss under every layout: CP here (issue 19: each CP rank computed it
+  from its own S / cp tokens, and FSDP summed the router gradients over dp_shard x cp, so
+  its gradient came out ~cp times too large; now the counts are summed over CP, and TP
+  under SP, by a plan-installed reduction, parallelisms/sequence_shards.py). DeepSeek debug
+  with `--moe.aux_loss_coeff 0.01` at cp 2 (both methods) and cp 2 x tp 2 equals one rank
+  within 1e-5 (before the fix the router's gradients were 1.23 relative off). dp, tp with
+  SP, pp, accumulation and ep: tests/test_moe_balance.py.
+- The batch-scope aux loss (Qwen3), top-k normalisation per model, dropless routing, and
+  the [moe] fields that change them.
 """
 
 from __future__ import annotations
