@@ -146,6 +146,7 @@ def run_case(case: dict, out: Path) -> None:
         counts = count_step(lambda: trainer.train_step(batches, with_metrics=False),
                             local_shapes=case.get("local_shapes", False))
         counts["tokens"] = trainer.cfg.training.local_batch_size * trainer.cfg.training.seq_len
+        counts["non_data_parallel_size"] = trainer.dims.non_data_parallel_size
         counts["flops_per_token"] = trainer.flops_per_token
     finally:
         trainer.close(destroy_process_group=False)

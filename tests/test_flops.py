@@ -149,10 +149,10 @@ def test_document_masking_keeps_the_window_convention():
     masked = _measure("llama3", args, document_ids=doc)
     plain = _measure("llama3", args)
     assert masked["measured"] == plain["measured"] and masked["formula"] == plain["formula"]
-    heads_pairs = 6 * args.n_layers * args.n_heads * 2 * args.head_dim / S  # causal FLOPs per pair, per token
-    assert masked["attention_causal_measured"] == pytest.approx(
-        heads_pairs * B * sum(n * (n + 1) // 2 for n in lengths) / B, rel=1e-9)
-    assert plain["attention_causal_measured"] == pytest.approx(heads_pairs * S * (S + 1) // 2, rel=1e-9)
+    per_pair = 6 * args.n_layers * args.n_heads * 2 * args.head_dim / S  # FLOPs per attended pair of a sequence, per token
+    assert masked["attention_causal_measured"] == pytest.approx(per_pair * sum(n * (n + 1) // 2 for n in lengths),
+                                                                rel=1e-9)
+    assert plain["attention_causal_measured"] == pytest.approx(per_pair * S * (S + 1) // 2, rel=1e-9)
     _check(plain, "llama3 (document masking: same figures)")
 
 
@@ -205,5 +205,10 @@ def test_cp_and_tp_rank_flops_times_degree_equal_one_rank(tmp_path):
         print(f"\n{name}: per rank {causal} causal FLOPs per step; one rank {ref_causal} (formula {rel:.2%} off)")
         assert causal[0] == causal[1] and 2 * causal[0] == ref_causal
         assert all(r["flops_per_token"] == ref_formula for r in ranks)
+        # What mfu_causal_pct credits one device with for this step (MetricsLogger: this rank's
+        # tokens / non_data_parallel_size) is what the rank counted.
+        r = ranks[0]
+        credited = (r["flops_per_token"] - half_attention) * r["tokens"] / r["non_data_parallel_size"]
+        assert r["non_data_parallel_size"] == 2 and abs(credited - causal[0]) / causal[0] <= TOL
         if name == "tp2":  # the non-causal count splits too (CP's prefixes are not [S, S] calls)
             assert 2 * ranks[0]["total"] == ref["total"]
