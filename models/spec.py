@@ -72,6 +72,9 @@ class ModelSpec:
     state_dict_adapter: StateDictAdapterClass = None
     # Called after each optimizer step (e.g. MoE load-balance bias update).
     post_optimizer_step_fn: PostOptimizerStepHook | None = None
+    # Called on each model part instead when the step guard skips the optimizer step: the step
+    # leaves no trace (MoE: its expert loads do not feed the next bias update).
+    skipped_step_fn: Callable[[nn.Module], None] | None = None
     # `model` may live on the meta device. Used by --dry-run, metrics (MFU) and the estimator;
     # returns {"params", "flops_per_token", optional "activated_params"}.
     summary_fn: SummaryFn | None = None

@@ -1,13 +1,14 @@
 """Metrics: console, TensorBoard and metrics.jsonl.
 
 MFU convention (`mfu_pct`): TorchTitan's. Training FLOPs per token = 6 x the (activated)
-non-embedding parameters + 12 x L x H x Dh x S for attention, where 12 = 3 (forward and
-backward) x 2 (QK^T and PV) x 2 (multiply-add) over all S keys, as if attention were not
-causal. That is the figure peers publish, so it is the one to compare. A causal kernel does
-half the attention work: `mfu_causal_pct` counts 6 x L x H x Dh x S instead, the FLOPs
-actually done; both are printed. The peak is the device's dense bf16 rate, looked up by the
-exact model name in the CUDA device name (so "H100 PCIe" is not taken for an H100 SXM, nor
-an L40 for an L4).
+non-embedding parameters + 12 x L x H x Dh x S for attention (6 x L x H x (Dqk + Dv) x S
+for MLA), where 12 = 3 (forward and backward) x 2 (QK^T and PV) x 2 (multiply-add) over all
+S keys, as if attention were not causal. That is the figure peers publish, so it is the one
+to compare. A causal kernel does half the attention work: `mfu_causal_pct` counts half the
+attention term. Both are conventions of the packed window: document masking changes
+neither. The per-model formulas and their FlopCounterMode audit: docs/performance.md.
+The peak is the device's dense bf16 rate, looked up by the exact model name in the CUDA
+device name (so "H100 PCIe" is not taken for an H100 SXM, nor an L40 for an L4).
 
 Stragglers (`StragglerMonitor`): each rank's mean step time since the last log step rides in
 per-rank slots of the step's one loss all-reduce on log steps (no sync of its own); every

@@ -29,7 +29,8 @@ DEFAULT_MODEL, DEFAULT_FLAVOR = "llama3", "debug"
 
 @dataclass
 class MoEConfig:
-    """[moe]: load balancing of mixture-of-experts models (DeepSeek V3)."""
+    """[moe]: routing and load balancing of mixture-of-experts models (DeepSeek V3, Qwen3 MoE).
+    Every field defaults to None, the model's own value; docs/moe.md has the semantics table."""
 
     bias_update_rate: float | None = opt(
         None, "Auxiliary-loss-free balancing: after each optimizer step expert_bias += rate * sign(mean load - "
@@ -37,10 +38,20 @@ class MoEConfig:
     aux_loss_coeff: float | None = opt(
         None, "Coefficient of the sequence-wise balance loss (DeepSeek V3's alpha), normalised once per global "
         "batch; 0 = off. Default: the model's own (0).", min=0.0)
+    aux_loss_scope: str | None = opt(
+        None, "What one balance-loss term covers. sequence: each sequence (DeepSeek V3), averaged over the global "
+        "batch's sequences whatever the layout. batch: all tokens of one forward (a microbatch on one data rank, "
+        "whole sequences under CP and sequence parallel), weighted by its share of the global batch's sequences "
+        "(Qwen3's). Default: the model's own (DeepSeek V3 sequence, Qwen3 batch).", choices=("sequence", "batch"))
+    route_norm: bool | None = opt(
+        None, "Normalise each token's top-k routing weights to sum to 1 (before the model's route scale). "
+        "Default: the model's own (DeepSeek V3 sigmoid routing and Qwen3: true; DeepSeek softmax routing, "
+        "as V2 / the 16B flavor: false).")
 
 
 # [moe] field -> the model-args field it sets.
-_MOE_FIELDS = {"bias_update_rate": "load_balance_coeff", "aux_loss_coeff": "aux_loss_coeff"}
+_MOE_FIELDS = {"bias_update_rate": "load_balance_coeff", "aux_loss_coeff": "aux_loss_coeff",
+               "aux_loss_scope": "aux_loss_scope", "route_norm": "route_norm"}
 
 
 def unknown_value(key: str, value: str, valid: list[str], where: str = "") -> str:
@@ -114,8 +125,9 @@ def _apply_overrides(cfg, spec, args):
         value = getattr(moe, key, None) if moe is not None else None
         if value is None:
             continue
-        if field not in fields:
-            raise ConfigError(f"config error: moe.{key}: {spec.name} has no mixture-of-experts layers; drop it")
+        if field not in fields or getattr(args, "n_routed_experts", 1) == 0:  # (a dense Qwen3 flavor)
+            label = f"{spec.name} from {m.hf_path}" if m.hf_path else f"{spec.name} {m.flavor or DEFAULT_FLAVOR}"
+            raise ConfigError(f"config error: moe.{key}: {label} has no mixture-of-experts layers; drop it")
         changes[field] = value
     return dataclasses.replace(args, **changes) if changes else args
 

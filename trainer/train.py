@@ -275,6 +275,9 @@ class Trainer:
             if self.spec.post_optimizer_step_fn is not None:
                 for part in self.model_parts:
                     extra.update(self.spec.post_optimizer_step_fn(part, self.dims, with_metrics=with_metrics) or {})
+        elif self.spec.skipped_step_fn is not None:  # a skipped step leaves no trace (MoE: its loads)
+            for part in self.model_parts:
+                self.spec.skipped_step_fn(part)
         if self.guard.total_skipped:
             extra["skipped_steps"] = float(self.guard.total_skipped)
         with self.watch.phase("all_reduce (loss)"), self.stragglers.waiting():

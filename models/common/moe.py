@@ -389,6 +389,15 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
     return counts
 
 
+@torch.no_grad()
+def discard_moe_loads(model: nn.Module | Iterable[nn.Module]) -> None:
+    """Zeroes every MoE layer's load counters without a bias update: the optimizer step they
+    were counted for was skipped (ModelSpec.skipped_step_fn), so its routing must not steer
+    the next update either."""
+    for m in _moe_layers(model):
+        m.tokens_per_expert.zero_()
+
+
 def set_aux_loss_sequences(model: nn.Module | Iterable[nn.Module], sequences_per_step: int) -> None:
     """Normalises every MoE layer's balance loss by the number of sequences in one optimizer
     step over all data-parallel ranks (the global batch), so that its gradient is that of

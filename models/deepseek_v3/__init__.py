@@ -1,6 +1,6 @@
 """DeepSeek V3: the spec the trainer sees."""
 
-from models.common.moe import (MoE, MoEArgs, expert_load_metrics, moe_aux_loss, moe_layer_ids,
+from models.common.moe import (MoE, MoEArgs, discard_moe_loads, expert_load_metrics, moe_aux_loss, moe_layer_ids,
                                update_moe_load_balance_bias)
 from models.deepseek_v3.ac import AC_POLICIES
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
@@ -39,6 +39,7 @@ spec = ModelSpec(
     expert_parallel_fn=expert_parallel_fn,
     ac_policies=AC_POLICIES,
     post_optimizer_step_fn=post_optimizer_step,
+    skipped_step_fn=discard_moe_loads,
     summary_fn=summarize,
     state_dict_adapter=DeepSeekV3StateDictAdapter,
 )

@@ -132,7 +132,7 @@ def moe_args_from(args: DeepSeekV3Args) -> MoEArgs:
         num_experts=args.n_routed_experts, top_k=args.n_activated_experts,
         num_shared_experts=args.n_shared_experts, score_func=args.score_func, route_norm=args.route_norm,
         route_scale=args.route_scale, n_groups=args.n_expert_groups, topk_groups=args.n_limited_groups,
-        aux_loss_coeff=args.aux_loss_coeff, use_grouped_mm=args.use_grouped_mm,
+        aux_loss_coeff=args.aux_loss_coeff, aux_loss_scope=args.aux_loss_scope, use_grouped_mm=args.use_grouped_mm,
     )
 
 

@@ -1,6 +1,6 @@
 """Qwen3, dense and MoE: the spec the trainer sees (one family; a MoE flavor has routed experts)."""
 
-from models.common.moe import expert_load_metrics, moe_layer_ids, update_moe_load_balance_bias
+from models.common.moe import discard_moe_loads, expert_load_metrics, moe_layer_ids, update_moe_load_balance_bias
 from models.deepseek_v3.ac import AC_POLICIES
 from models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from models.qwen3.model import Qwen3, count_params
@@ -39,6 +39,7 @@ spec = ModelSpec(
     # dense blocks fall through to the defaults.
     ac_policies=AC_POLICIES,
     post_optimizer_step_fn=post_optimizer_step,
+    skipped_step_fn=discard_moe_loads,
     summary_fn=summarize,
     state_dict_adapter=Qwen3StateDictAdapter,
 )
