@@ -211,7 +211,7 @@ ENV_KNOBS: dict[str, str] = {
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",
     "TITAN_PREEMPT_MARKER": "test hook: rank 0 writes the preempted step to this file.",
     "TITAN_TEST_STOP_RANK": "test hook: <rank>@<step> makes that rank SIGSTOP itself at the start of that step "
-                            "(a hang, trainer/hang.py).",
+                            "(a hang, trainer/fault_tolerance/hang.py).",
     "TITAN_TEST_SLOW_RANK": "test hook: <rank>:<seconds> makes that rank sleep that long in every step (a straggler).",
     "TITAN_TOKENIZE_KILL": "test hook: <point>[:<n>] SIGKILLs scripts/tokenize_data.py at the n-th pass of that "
                            "point (see trainer/data/pretokenize.py).",

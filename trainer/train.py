@@ -29,7 +29,7 @@ from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
 from trainer.errors import report_user_error, run_entry_point
-from trainer.hang import HangWatch, inject_test_faults
+from trainer.fault_tolerance.hang import HangWatch, inject_test_faults
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per_token
@@ -153,7 +153,7 @@ class Trainer:
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size, start_step=self.step,
                                      attention_flops_per_token=attention_flops_per_token(self.model_args, t.seq_len))
-        # Hangs named in one line, stacks on disk (trainer/hang.py); per-rank step times (trainer/metrics.py).
+        # Hangs named in one line, stacks on disk (trainer/fault_tolerance/hang.py); per-rank step times (trainer/metrics.py).
         self.watch = HangWatch(cfg.job.dump_folder, self.rank, tdist.world_size(),
                                lambda: tdist.current_collective_timeout() or cfg.comm.train_timeout_seconds)
         self.stragglers = StragglerMonitor(cfg.metrics, self.rank, tdist.world_size(), log=self.is_logging_rank)
