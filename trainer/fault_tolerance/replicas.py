@@ -73,6 +73,7 @@ class ReplicaGroups:
             init_sync=False)  # every group builds the same weights from training.seed
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self._healed = False
+        self._first_quorum = True
 
     # ---- 1. the quorum ----
     def start_step(self) -> bool:
@@ -81,11 +82,34 @@ class ReplicaGroups:
         self._healed = False
         t0 = time.perf_counter()
         self.manager.start_quorum()
+        if self._first_quorum:
+            self._first_quorum = False
+            self._wait_for_all_groups()
         if self._healed:
             self.healed_at.append((self.trainer.step, time.perf_counter() - t0))
             logger.info(f"fault tolerance: healed from a live peer at step {self.trainer.step} in "
                         f"{time.perf_counter() - t0:.2f} s")
         return self._healed
+
+    def _wait_for_all_groups(self) -> None:
+        """A job's first step waits (up to the quorum timeout) for all group_count groups, so that
+        groups started together also take step 1 together instead of the first one racing ahead
+        and the others healing from it. Later steps wait only for the groups that are alive."""
+        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
+        while self.participants < self.cfg.group_count and time.monotonic() < deadline and not self._healed:
+            time.sleep(0.5)
+            self.manager.start_quorum()  # every rank of the group sees the same count: they loop together
+        if self.participants < self.cfg.group_count and self.group_rank == 0:
+            logger.warning(f"fault tolerance: starting with {self.participants} of {self.cfg.group_count} replica "
+                           f"groups (the others did not join within {self.cfg.quorum_timeout_seconds} s)")
+
+    def dump_for_test(self) -> None:
+        """TITAN_TEST_FT_STATE: this rank's final state, for the bitwise comparison across groups."""
+        from trainer.configurable import env_value
+
+        prefix = env_value("TITAN_TEST_FT_STATE")
+        if prefix:
+            torch.save(heal_state.capture(self.trainer), f"{prefix}-replica{self.cfg.replica_id}-rank{self.group_rank}.pt")
 
     def _capture(self):
         return heal_state.capture(self.trainer)
@@ -139,4 +163,5 @@ class ReplicaGroups:
         return self.manager.should_commit()
 
     def close(self) -> None:
+        self.dump_for_test()
         self.manager.shutdown(wait=False)
