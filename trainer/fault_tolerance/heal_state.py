@@ -6,8 +6,8 @@ tensors (no DTensor over the wire) and the receiver copies them into its own sha
 bitwise the peer's values. Optimizer state that does not exist yet on the receiver (a fresh
 process has taken no step) is rebuilt as DTensors with its parameter's spec.
 
-The payload: parameters and buffers of every model part, every optimizer's state, the LR
-schedules, the step, the data position (global, so the peer's is this group's too: see
+The payload: parameters and buffers of every model part, every optimizer's state and param
+groups (the learning rate the next step uses is there), the LR schedules, the step, the data position (global, so the peer's is this group's too: see
 trainer/data/stream.py), the RNG and the step guard's history.
 """
 
@@ -72,6 +72,9 @@ def capture(trainer) -> dict[str, Any]:
         "model": [[t.detach() if not isinstance(t, DTensor) else t._local_tensor.detach()
                    for _, t in _tensors_of(part)] for part in trainer.model_parts],
         "optimizers": [_optimizer_state(o) for o in trainer.optimizers],
+        # The rate the next step uses lives in the param groups (the schedule writes it there on its step).
+        "param_groups": [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                         for o in trainer.optimizers],
         "lr_schedulers": [s.state_dict() for s in trainer.lr_schedulers],
         "data": trainer.dataloader.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available()
@@ -95,6 +98,9 @@ def restore(trainer, state: dict[str, Any]) -> None:
             local.copy_(value)
     for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
         _load_optimizer_state(opt, saved)
+    for opt, groups in zip(trainer.optimizers, state["param_groups"], strict=True):
+        for group, saved in zip(opt.param_groups, groups, strict=True):
+            group.update(saved)
     for sched, saved in zip(trainer.lr_schedulers, state["lr_schedulers"], strict=True):
         sched.load_state_dict(saved)
     trainer.dataloader.load_state_dict(state["data"])
