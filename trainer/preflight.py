@@ -106,6 +106,11 @@ def check_config(argv: list[str], shell: bool) -> int:
     if world is not None:
         layout_for(cfg, world)
     check_runtime(cfg)
+    ft = cfg.fault_tolerance
+    if ft.enable and ft.lighthouse:  # before any worker starts: one line naming the address, not a hang
+        from trainer.fault_tolerance.lighthouse import check_reachable
+
+        check_reachable(ft.lighthouse, ft.connect_timeout_seconds)
     if shell:
         # One group on this machine with no lighthouse given: run_train.sh starts one (its quorum size).
         ft = cfg.fault_tolerance

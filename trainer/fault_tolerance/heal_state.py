@@ -7,8 +7,9 @@ bitwise the peer's values. Optimizer state that does not exist yet on the receiv
 process has taken no step) is rebuilt as DTensors with its parameter's spec.
 
 The payload: parameters and buffers of every model part, every optimizer's state and param
-groups (the learning rate the next step uses is there), the LR schedules, the step, the data position (global, so the peer's is this group's too: see
-trainer/data/stream.py), the RNG and the step guard's history.
+groups (the learning rate the next step uses is there), the LR schedules, the step, the data
+position (global, so the peer's is this group's too: see trainer/data/stream.py), the RNG
+and the step guard's history.
 """
 
 from __future__ import annotations
