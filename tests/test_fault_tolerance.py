@@ -216,6 +216,7 @@ def test_an_absent_groups_slice_is_skipped_never_read_twice():
     assert not skipped & set(seen)
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_run_train_starts_a_lighthouse_and_all_groups_resume_from_disk(tmp_path):

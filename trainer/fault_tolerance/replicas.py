@@ -72,7 +72,7 @@ class ReplicaGroups:
             lighthouse_addr=address, replica_id=f"replica_{cfg.replica_id}", hostname=socket.gethostname(),
             init_sync=False)  # every group builds the same weights from training.seed
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
-        self._healed = False
+        self._healed, self._healed_bytes = False, 0
         self._first_quorum = True
 
     # ---- 1. the quorum ----
@@ -86,9 +86,10 @@ class ReplicaGroups:
             self._first_quorum = False
             self._wait_for_all_groups()
         if self._healed:
-            self.healed_at.append((self.trainer.step, time.perf_counter() - t0))
-            logger.info(f"fault tolerance: healed from a live peer at step {self.trainer.step} in "
-                        f"{time.perf_counter() - t0:.2f} s")
+            seconds = time.perf_counter() - t0
+            self.healed_at.append((self.trainer.step, seconds))
+            logger.info(f"fault tolerance: healed from a live peer at step {self.trainer.step} in {seconds:.2f} s "
+                        f"({self._healed_bytes / 2**20:.1f} MiB on this rank, quorum included)")
         return self._healed
 
     def _wait_for_all_groups(self) -> None:
@@ -115,6 +116,10 @@ class ReplicaGroups:
         return heal_state.capture(self.trainer)
 
     def _load(self, state) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        self._healed_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(state)
+                                 if isinstance(t, torch.Tensor))
         heal_state.restore(self.trainer, state)
         self._healed = True
 
