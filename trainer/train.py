@@ -343,7 +343,9 @@ class Trainer:
         redo = None  # the batches of a step the replica groups did not commit: redone with the next quorum
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
             while self.step < t.steps:
-                if self.ft is not None and self.ft.start_step():
+                with self.watch.phase("fault tolerance: quorum"):
+                    healed = self.ft is not None and self.ft.start_step()
+                if healed:
                     redo = None  # healed: this group now stands at a live peer's step and data position
                     if self.step >= t.steps:
                         break

@@ -79,12 +79,16 @@ class ReplicaGroups:
     def start_step(self) -> bool:
         """Joins this step's quorum; True if this group healed from a peer (its step, data
         position and every tensor are now the peer's)."""
+        from trainer import distributed as tdist
+
         self._healed = False
         t0 = time.perf_counter()
-        self.manager.start_quorum()
-        if self._first_quorum:
-            self._first_quorum = False
-            self._wait_for_all_groups()
+        # The hang watch and the group's own collectives allow for a slow quorum and a heal.
+        with tdist.collective_timeout(self.cfg.quorum_timeout_seconds + self.cfg.heal_timeout_seconds):
+            self.manager.start_quorum()
+            if self._first_quorum:
+                self._first_quorum = False
+                self._wait_for_all_groups()
         if self._healed:
             seconds = time.perf_counter() - t0
             self.healed_at.append((self.trainer.step, seconds))
