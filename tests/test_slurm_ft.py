@@ -45,7 +45,7 @@ def test_a_cancelled_group_is_restarted_alone_and_heals(cluster, tmp_path):  # n
     # The groups sleep 1 s per step from step 6 on: time for the cancelled one to come back.
     env = _env(CONFIG_FILE="train_configs/llama_debug.toml", LOG_DIR=str(logs), REPO_DIR=str(REPO),
                FT_GROUPS="2", LIGHTHOUSE_PORT=str(free_port()), RDZV_PORT=str(free_port_range(2)),
-               TITAN_TEST_SLOW_RANK="0:1.0@6", RESTART_DELAY="0")
+               TITAN_TEST_SLOW_RANK="0:1.0@6", RESTART_DELAY="1")
     job = cluster.sbatch("--job-name=titan-ft", "--nodes=2", "--gpus-per-node=0", f"--output={out}", str(SCRIPT),
                          "--job.dump_folder", str(dump), *ARGS, env=env, cwd=REPO)
 

@@ -158,7 +158,7 @@ class Trainer:
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size, start_step=self.step,
                                      attention_flops_per_token=attention_flops_per_token(self.model_args, t.seq_len))
-        # Hangs named in one line, stacks on disk (trainer/fault_tolerance/hang.py); per-rank step times (trainer/metrics.py).
+        # Hangs named in one line, stacks on disk (fault_tolerance/hang.py); per-rank step times (metrics.py).
         self.watch = HangWatch(self.log_folder, self.rank, tdist.world_size(),
                                lambda: tdist.current_collective_timeout() or cfg.comm.train_timeout_seconds)
         self.stragglers = StragglerMonitor(cfg.metrics, self.rank, tdist.world_size(), log=self.is_logging_rank)

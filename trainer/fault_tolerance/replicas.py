@@ -114,7 +114,8 @@ class ReplicaGroups:
 
         prefix = env_value("TITAN_TEST_FT_STATE")
         if prefix:
-            torch.save(heal_state.capture(self.trainer), f"{prefix}-replica{self.cfg.replica_id}-rank{self.group_rank}.pt")
+            path = f"{prefix}-replica{self.cfg.replica_id}-rank{self.group_rank}.pt"
+            torch.save(heal_state.capture(self.trainer), path)
 
     def _capture(self):
         return heal_state.capture(self.trainer)
