@@ -75,4 +75,7 @@ def test_a_cancelled_group_is_restarted_alone_and_heals(cluster, tmp_path):  # n
     assert steps_logged(dump / "replica-0") == list(range(1, STEPS + 1)), text()
     assert steps_logged(dump / "replica-1")[-1] == STEPS
     assert "lighthouse: serving at" in (logs / "lighthouse.log").read_text()
-    assert subprocess.run(["pgrep", "-f", f"lighthouse.*{logs}"], capture_output=True).returncode != 0
+    deadline = time.time() + 10  # the lighthouse ends with the batch script
+    while subprocess.run(["pgrep", "-f", f"lighthouse.*{logs}"], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "the lighthouse outlived the job"
+        time.sleep(0.5)
