@@ -131,7 +131,7 @@ def ft_run(spec: str, steps: int, folder: Path) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="llama3:debug_small,llama3:debug,qwen3:debug",
+    ap.add_argument("--models", default="llama3:debug_small,qwen3:debug,llama3:debug,deepseek_v3:debug",
                     help="name:flavor list for the heal table")
     ap.add_argument("--overhead-model", default="llama3:debug")
     ap.add_argument("--steps", type=int, default=30, help="steps of each overhead run")
