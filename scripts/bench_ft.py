@@ -3,8 +3,9 @@
     python scripts/bench_ft.py                                   # CPU, gloo, 1 rank per group
     python scripts/bench_ft.py --models llama3:debug_small,llama3:debug,qwen3:0.6B --steps 30
 
-Heal: a lighthouse and group 0 run; once group 0 has logged a few steps, group 1 starts and heals
-from it over torchft's HTTP transport. The time is the healing group's first quorum (the wait for
+Heal: a lighthouse and group 0 run (it starts alone after the first quorum's 10 s wait for
+group 1); once group 0 has logged a few steps, group 1 starts and heals from it over torchft's
+HTTP transport. The time is the healing group's first quorum (the wait for
 the live group's next step boundary included) plus the transfer and the load, as the trainer logs
 it, with the bytes this rank received (params, optimizer state, the rest).
 
@@ -83,7 +84,7 @@ def heal_time(spec: str, folder: Path) -> dict:
     folder.mkdir(parents=True)
     lh, address = lighthouse(folder, 1)
     args = ["--training.steps", "10000", "--fault_tolerance.group_count", "2", "--fault_tolerance.lighthouse",
-            address, "--fault_tolerance.quorum_timeout_seconds", "120", "--fault_tolerance.heal_timeout_seconds",
+            address, "--fault_tolerance.quorum_timeout_seconds", "10", "--fault_tolerance.heal_timeout_seconds",
             "600"]
     live = group(0, model_args(spec), args, folder, {"TITAN_TEST_SLOW_RANK": "0:0.3"})
     healing = None

@@ -56,7 +56,13 @@ class ReplicaGroups:
 
         self.cfg = cfg
         self.group_rank = dist.get_rank() if dist.is_initialized() else 0
-        address = lighthouse_url(cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+        if cfg.lighthouse is None:
+            from trainer.configurable import ConfigError
+
+            raise ConfigError("config error: fault_tolerance.lighthouse: not set; ./run_train.sh starts one for a "
+                              "one-group run, otherwise start python -m trainer.fault_tolerance.lighthouse and give "
+                              "its host:port")
+        address = lighthouse_url(cfg.lighthouse)
         if self.group_rank == 0:  # the rank that talks to the lighthouse checks it first: one line, not a hang
             check_reachable(address, cfg.connect_timeout_seconds)
         heal_timeout = timedelta(seconds=cfg.heal_timeout_seconds)
@@ -100,10 +106,13 @@ class ReplicaGroups:
         """A job's first step waits (up to the quorum timeout) for all group_count groups, so that
         groups started together also take step 1 together instead of the first one racing ahead
         and the others healing from it. Later steps wait only for the groups that are alive."""
-        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
-        while self.participants < self.cfg.group_count and time.monotonic() < deadline and not self._healed:
+        # A count, not a clock: every rank of the group must make the same number of quorum calls
+        # (each one sees the same quorum, so they all leave the loop together).
+        for _ in range(2 * self.cfg.quorum_timeout_seconds):
+            if self.participants >= self.cfg.group_count or self._healed:
+                break
             time.sleep(0.5)
-            self.manager.start_quorum()  # every rank of the group sees the same count: they loop together
+            self.manager.start_quorum()
         if self.participants < self.cfg.group_count and self.group_rank == 0:
             logger.warning(f"fault tolerance: starting with {self.participants} of {self.cfg.group_count} replica "
                            f"groups (the others did not join within {self.cfg.quorum_timeout_seconds} s)")
