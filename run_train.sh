@@ -76,6 +76,19 @@ if [ "$HAS_CUDA" = 0 ]; then
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 fi
 
+# fault_tolerance.enable without a lighthouse address: start torchft's lighthouse here (one group on this
+# machine). It exits with the launcher (--parent-pid: exec below keeps this shell's pid).
+FT_LIGHTHOUSE=$(sed -n 's/^FT_LIGHTHOUSE=\([0-9]*\)$/\1/p' <<<"$plan")
+if [ "${FT_LIGHTHOUSE:-0}" -gt 0 ]; then
+  lh_file=$(mktemp -u "${TMPDIR:-/tmp}/titan-lighthouse.XXXXXX")
+  python -m trainer.fault_tolerance.lighthouse --port 0 --min-replicas "$FT_LIGHTHOUSE" --address-file "$lh_file" \
+    --parent-pid $$ &
+  for _ in $(seq 1 300); do [ -s "$lh_file" ] && break; sleep 0.1; done
+  [ -s "$lh_file" ] || fail "fault_tolerance: the lighthouse did not start within 30 s"
+  args+=(--fault_tolerance.lighthouse "$(cat "$lh_file")")
+  rm -f "$lh_file"
+fi
+
 LAUNCHER=${TORCHRUN:-python -m trainer.launch}
 exec $LAUNCHER --standalone --nnodes 1 --nproc-per-node "$NPROC" --local-ranks-filter "$LOG_RANK" \
   --tee 3 -m trainer.train "${args[@]}"

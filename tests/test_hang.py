@@ -1,4 +1,4 @@
-"""Hangs and stragglers (trainer/hang.py, trainer/metrics.py's StragglerMonitor), through
+"""Hangs and stragglers (trainer/fault_tolerance/hang.py, trainer/metrics.py's StragglerMonitor), through
 ./run_train.sh with 2 real gloo ranks on the tiny model.
 
 Before: one of 2 ranks stopped with SIGSTOP gave, after the collective timeout, a gloo
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers import REPO, TINY, read_metrics
-from trainer.hang import HANG_EXIT, HangWatch
+from trainer.fault_tolerance.hang import HANG_EXIT, HangWatch
 from trainer.metrics import MetricsConfig, StragglerMonitor
 
 TIMEOUT_S = 10  # comm.train_timeout_seconds in the hang run

@@ -41,6 +41,10 @@ _NEEDS_HF = "needs published weights under /models; tests/test_hf_train.py and t
 README_COMMANDS = {
     "pip install torch==2.13.0 && pip install -e '.[dev]'": ("skip", "CI's install step (.ci/run)"),
     "pip install -e '.[float8]'": ("skip", "torchao is in the dev extra CI installs; tests/test_float8.py"),
+    "pip install -e '.[ft]'": ("skip", "torchft is in the dev extra CI installs; tests/test_fault_tolerance.py"),
+    "./run_train.sh --fault_tolerance.enable": ("steps", ""),
+    "FT_GROUPS=4 sbatch --nodes=4 scripts/ft_trainer.slurm --checkpoint.enable true":
+        ("skip", "needs a SLURM cluster; tests/test_slurm_ft.py runs the script on the local one"),
     "./run_train.sh": ("steps", ""),
     "python -m pytest -q": ("skip", "what CI runs"),
     "./run_train.sh --config llama8b.toml": ("dry", ""),

@@ -23,6 +23,7 @@ from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
 from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
 from trainer.data.config import NEEDS_PATH, DataConfig
+from trainer.fault_tolerance.config import FaultToleranceConfig
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
 from trainer.model_args import MoEConfig, check_hf_export, resolve_model
@@ -122,6 +123,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     comm: CommSection = field(default_factory=CommSection)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     # Resolved by validate(): the one lookup of the model (see trainer/model_args.py).
     model_spec: Any = field(default=None, init=False, repr=False, compare=False, metadata={"section": False})

@@ -211,8 +211,11 @@ ENV_KNOBS: dict[str, str] = {
     "TITAN_DATA_CACHE": "folder for tokenized-corpus caches (default ~/.cache/titanlite).",
     "TITAN_PREEMPT_MARKER": "test hook: rank 0 writes the preempted step to this file.",
     "TITAN_TEST_STOP_RANK": "test hook: <rank>@<step> makes that rank SIGSTOP itself at the start of that step "
-                            "(a hang, trainer/hang.py).",
-    "TITAN_TEST_SLOW_RANK": "test hook: <rank>:<seconds> makes that rank sleep that long in every step (a straggler).",
+                            "(a hang, trainer/fault_tolerance/hang.py).",
+    "TITAN_TEST_FT_STATE": "test hook: each fault-tolerant rank saves its final parameters, optimizer state and "
+                           "step to <value>-replica<id>-rank<r>.pt at the end of the run (tests/test_fault_tolerance.py).",
+    "TITAN_TEST_SLOW_RANK": "test hook: <rank>:<seconds>[@<step>] makes that rank sleep that long in every step (from that "
+                            "step on): a straggler.",
     "TITAN_TOKENIZE_KILL": "test hook: <point>[:<n>] SIGKILLs scripts/tokenize_data.py at the n-th pass of that "
                            "point (see trainer/data/pretokenize.py).",
     "NGPU / NPROC, LOG_RANK, CONFIG_FILE, TORCHRUN": "run_train.sh: processes, ranks shown, default config, launcher.",

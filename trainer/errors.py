@@ -26,7 +26,7 @@ from typing import Callable
 USER_ERROR_EXIT = 2
 AGENT_ENV = "TITAN_LAUNCH_AGENT"
 USER_ERROR_KEY = "titan_user_error"
-HANG_KEY = "titan_hang"  # a rank that stopped responding (trainer/hang.py), exit code HANG_EXIT there
+HANG_KEY = "titan_hang"  # a rank that stopped responding (trainer/fault_tolerance/hang.py), exit code HANG_EXIT there
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -78,7 +78,7 @@ def report_user_error(message: str) -> int:
 
 
 def report_hang(line: str, *, printer: bool) -> None:
-    """A hang's one line (trainer/hang.py): to the launcher agent, or printed by `printer`."""
+    """A hang's one line (trainer/fault_tolerance/hang.py): to the launcher agent, or printed by `printer`."""
     from trainer.configurable import env_flag
 
     if env_flag(AGENT_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):

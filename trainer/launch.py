@@ -25,7 +25,7 @@ blocks both while it spawns the workers and delivers a pending one right after. 
 agent itself stops the workers (one of them failed), it uses SIGKILL: the survivors have
 nothing left to save, and with SIGTERM held they would only wait on their dead peer.
 
-A hang: a worker that found a peer stopped responding (trainer/hang.py) exits 3 with its
+A hang: a worker that found a peer stopped responding (trainer/fault_tolerance/hang.py) exits 3 with its
 one line in the same error file; the agent prints that line once and exits 3 (HANG_EXIT).
 
 Failures: a worker that exits 2 has met a user error and recorded its one line
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from trainer.errors import AGENT_ENV, HANG_KEY, USER_ERROR_EXIT, USER_ERROR_KEY
 
-HANG_EXIT = 3  # trainer.hang.HANG_EXIT (not imported: that module imports torch-side code lazily only)
+HANG_EXIT = 3  # trainer.fault_tolerance.hang.HANG_EXIT (not imported: that module imports torch-side code lazily only)
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: list[int] = []
@@ -187,7 +187,7 @@ def report_failure(err, argv: list[str]) -> int:
     """One user-facing report for a failed worker group; returns the exit code to use."""
     failures = sorted(err.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     hung = [(r, f) for r, f in failures if f.exitcode == HANG_EXIT and _error_info(f).get(HANG_KEY)]
-    if hung:  # one line naming the rank that stopped responding (trainer/hang.py); stacks are on disk
+    if hung:  # one line naming the rank that stopped responding (trainer/fault_tolerance/hang.py); stacks are on disk
         print(_error_info(hung[0][1])["message"], file=sys.stderr, flush=True)
         return HANG_EXIT
     user = [(r, f) for r, f in failures if f.exitcode == USER_ERROR_EXIT]

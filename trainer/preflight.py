@@ -15,7 +15,8 @@ run without one, the smallest world the config implies (every degree as given,
 dp_shard = -1 as the fewest ranks expert parallelism can borrow). A dry run prints the
 layout it checked, so `--dry-run` of a 512-GPU config works on a laptop.
 
-`--shell` (for run_train.sh) prints `NPROC=<n>` and `HAS_CUDA=<0|1>` on stdout, so the
+`--shell` (for run_train.sh) prints `NPROC=<n>`, `HAS_CUDA=<0|1>` and `FT_LIGHTHOUSE=<min replicas, 0 = none>`
+on stdout, so the
 script needs no other Python start-up: NPROC defaults to the local GPU count, or 1.
 """
 
@@ -110,8 +111,16 @@ def check_config(argv: list[str], shell: bool) -> int:
     if world is not None:
         layout_for(cfg, world)
     check_runtime(cfg)
+    ft = cfg.fault_tolerance
+    if ft.enable and ft.lighthouse:  # before any worker starts: one line naming the address, not a hang
+        from trainer.fault_tolerance.lighthouse import check_reachable
+
+        check_reachable(ft.lighthouse, ft.connect_timeout_seconds)
     if shell:
-        print(f"NPROC={world}\nHAS_CUDA={int(has_cuda)}", flush=True)
+        # One group on this machine with no lighthouse given: run_train.sh starts one (its quorum size).
+        ft = cfg.fault_tolerance
+        start_lighthouse = ft.min_replicas if ft.enable and ft.lighthouse is None else 0
+        print(f"NPROC={world}\nHAS_CUDA={int(has_cuda)}\nFT_LIGHTHOUSE={start_lighthouse}", flush=True)
     else:
         from trainer.model_args import model_label
 

@@ -29,7 +29,8 @@ from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
 from trainer.configurable import ConfigError, global_rank
 from trainer.errors import report_user_error, run_entry_point
-from trainer.hang import HangWatch, inject_test_faults
+from trainer.fault_tolerance.config import data_slice, log_folder
+from trainer.fault_tolerance.hang import HangWatch, inject_test_faults
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per_token
@@ -78,6 +79,7 @@ class StepResult:
     skipped: str | None = None  # why the step was not applied (trainer/step_guard.py)
     stop: bool = False  # some rank was asked to stop (preemption), agreed by every rank
     save_busy: bool = False  # some rank was still writing the pending async save (then it is not committed)
+    committed: bool = True  # False: torchft's quorum changed during the step; it is redone (fault tolerance)
 
 
 class Trainer:
@@ -98,7 +100,8 @@ class Trainer:
         self.precision = resolve_precision(t, self.device.type, fsdp_enabled=self.dims.fsdp_mesh() is not None)
 
         # ---- batch layout ----
-        self.dp_degree, self.dp_rank = self.dims.dp_degree, self.dims.coordinate("dp")
+        # With fault tolerance each replica group reads its own slice of the job's global batch.
+        self.dp_rank, self.dp_degree = data_slice(cfg.fault_tolerance, self.dims.coordinate("dp"), self.dims.dp_degree)
         self.grad_accum_steps, self.global_batch_size = batch_layout(t, self.dp_degree)
 
         # ---- data ----
@@ -114,7 +117,8 @@ class Trainer:
             cfg.data, tokenizer=self.tokenizer, tokenizer_path=self.tokenizer_path, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, dp_rank=self.dp_rank, dp_world_size=self.dp_degree, seed=t.seed,
             holdout=training_holdout(cfg.validation))
-        self.validator = build_validator(cfg, self.tokenizer, self.tokenizer_path, self.dp_rank, self.dp_degree,
+        self.validator = build_validator(cfg, self.tokenizer, self.tokenizer_path, self.dims.coordinate("dp"),
+                                         self.dims.dp_degree,
                                          self.dims.mesh("dp_cp"))
 
         # ---- model: the one assembly path (parallelisms/apply.py) ----
@@ -150,16 +154,23 @@ class Trainer:
         # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm
         # is global, so every rank holds the values it logs.
         self.is_logging_rank = self.rank == 0
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_logging_rank,
+        self.log_folder = log_folder(cfg)  # per replica group under fault tolerance
+        self.metrics = MetricsLogger(cfg.metrics, self.log_folder, enabled=self.is_logging_rank,
                                      device=self.device, flops_per_token=self.flops_per_token,
                                      non_data_parallel_size=self.dims.non_data_parallel_size, start_step=self.step,
                                      attention_flops_per_token=attention_flops_per_token(self.model_args, t.seq_len))
-        # Hangs named in one line, stacks on disk (trainer/hang.py); per-rank step times (trainer/metrics.py).
-        self.watch = HangWatch(cfg.job.dump_folder, self.rank, tdist.world_size(),
+        # Hangs named in one line, stacks on disk (fault_tolerance/hang.py); per-rank step times (metrics.py).
+        self.watch = HangWatch(self.log_folder, self.rank, tdist.world_size(),
                                lambda: tdist.current_collective_timeout() or cfg.comm.train_timeout_seconds)
         self.stragglers = StragglerMonitor(cfg.metrics, self.rank, tdist.world_size(), log=self.is_logging_rank)
         self.guard = StepGuard(t.max_skipped_steps, t.loss_spike_factor, lr=cfg.optimizer.lr)
         self.data_iter = iter(self.dataloader)
+        # torchft replica groups (trainer/fault_tolerance/replicas.py): quorum, cross-group sums, commit, heal.
+        self.ft = None
+        if cfg.fault_tolerance.enable:
+            from trainer.fault_tolerance.replicas import ReplicaGroups
+
+            self.ft = ReplicaGroups(cfg.fault_tolerance, self, self.device)
         gc.disable()
         if self.rank == 0:
             logger.info(f"model {model_label(cfg)}: {self.num_params:,} params, "
@@ -189,6 +200,9 @@ class Trainer:
         if dp_mesh is not None:
             with self.watch.phase("all_reduce (token count)"), self.stragglers.waiting():
                 dist.all_reduce(local, group=dp_mesh.get_group())
+        if self.ft is not None:  # and over the replica groups that take part in this step
+            with self.watch.phase("fault tolerance: token count"):
+                self.ft.all_reduce_sum(local)
         return local
 
     @contextlib.contextmanager
@@ -237,25 +251,30 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         with self.train_context(self.count_global_tokens(batches)), self.watch.phase("forward/backward"):
             loss_sum = self.forward_backward(batches)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        if self.ft is not None:  # the HSDP replicate all-reduce, across replica groups (and the loss terms)
+            with self.watch.phase("fault tolerance: gradient sum"):
+                self.ft.reduce_gradients(params, loss_sum)
         with self.watch.phase("grad-norm all_reduce"):
             grad_norm = clip_grad_norm_(
-                [p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
+                params, self.cfg.training.max_norm,
                 pp_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None)
         lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step's update uses
         flags = [float(self.preemption.requested()), self.checkpointer.boundary_busy_flag()]
         step_time = self.stragglers.slots(with_metrics)  # log steps: every rank's step time rides along
+        committed = self.ft is None or self.ft.should_commit()  # torchft: every collective of the step succeeded
         # [loss terms..., stop, busy, (step time per rank), norm]: the same on every rank, one host sync per step.
         with self.watch.phase("all_reduce (loss)"), self.stragglers.waiting():
             scalars = torch.cat([self.reduce_loss_and_flags(loss_sum, flags, step_time).double(),
                                  grad_norm.double().reshape(1)])
             # The guard decides on the device where the optimizers are fused (the update is launched
             # before the host read); otherwise the host read moves before the update.
-            on_device = self.guard.enabled and self.guard.decides_on_device(self.optimizers)
+            on_device = committed and self.guard.enabled and self.guard.decides_on_device(self.optimizers)
             if on_device:
                 self.guard.step_on_device(self.optimizers, self.guard.skip_flag(scalars, loss_sum.numel()))
             values = scalars.tolist() if self.guard.enabled else None
-        skipped = None
-        if self.guard.enabled:  # global losses and norm, the same on every rank: no collective
+        skipped = None if committed else "not committed by the replica groups"
+        if self.guard.enabled and committed:  # global losses and norm, the same on every rank: no collective
             losses, norm = values[:loss_sum.numel()], values[-1]
             loss = losses[0] if all(math.isfinite(v) for v in losses[1:]) else math.nan  # MTP terms count too
             skipped = self.guard.check(self.step, loss, norm, log=self.rank == 0)
@@ -288,8 +307,10 @@ class Trainer:
             extra.update(self.stragglers.observe(values[n + 2:-1], self.step))
         if self.mtp_depth:
             extra["mtp_loss"] = sum(losses[1:]) / self.mtp_depth
+        if self.ft is not None:
+            extra["ft/groups"] = float(self.ft.participants)
         return StepResult(loss=losses[0], grad_norm=norm, lr=lr, extra_metrics=extra, skipped=skipped,
-                          stop=stop > 0, save_busy=busy > 0)
+                          stop=stop > 0, save_busy=busy > 0, committed=committed)
 
     def reduce_loss_and_flags(self, loss_sum: torch.Tensor, flags: list[float],
                               step_time: float | None = None) -> torch.Tensor:
@@ -323,8 +344,15 @@ class Trainer:
         snapshotter = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
         tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
         first_step = True
+        redo = None  # the batches of a step the replica groups did not commit: redone with the next quorum
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
             while self.step < t.steps:
+                with self.watch.phase("fault tolerance: quorum"):
+                    healed = self.ft is not None and self.ft.start_step()
+                if healed:
+                    redo = None  # healed: this group now stands at a live peer's step and data position
+                    if self.step >= t.steps:
+                        break
                 self.step += 1
                 self.stragglers.start_step()
                 self.watch.set_step(self.step)
@@ -336,12 +364,18 @@ class Trainer:
                 try:
                     with self.watch.phase("data"):
                         inject_test_faults(self.rank, self.step)
-                        batches = self.next_microbatches()
+                        batches = redo or self.next_microbatches()
                     result = self.train_step(batches, with_metrics=log_now)
                     self.watch.at("logging and validation")
                 except Exception as e:  # noqa: BLE001 - a collective that timed out: name the hung rank
                     self.watch.on_exception(e)
                     raise
+                redo = None if result.committed else batches
+                if redo is not None:
+                    logger.warning(f"fault tolerance: step {self.step} not committed (a replica group failed or "
+                                   "left); redoing it with the next quorum")
+                    self.step -= 1
+                    continue
                 losses.append(result.loss)
                 self.metrics.add_tokens(tokens_per_step)
                 if log_now:
@@ -349,7 +383,7 @@ class Trainer:
                              **(self.validator.evaluate(self) if val_due else {})}
                     self.metrics.record(self.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr,
                                         extra=extra)
-                if self.checkpointer.should_save(self.step, last):
+                if self.checkpointer.should_save(self.step, last) and (self.ft is None or self.ft.is_saving_group()):
                     with self.watch.phase("checkpoint save"):
                         self.checkpointer.save(self.step, last_step=last)
                 if profiler is not None:
@@ -377,6 +411,8 @@ class Trainer:
         """Finishes pending saves and flushes metrics. Test drivers that run several
         trainers in one process group pass destroy_process_group=False."""
         self.watch.close()
+        if self.ft is not None:
+            self.ft.close()
         self.checkpointer.close()
         self.metrics.close()
         gc.enable()

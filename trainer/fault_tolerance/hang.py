@@ -254,7 +254,8 @@ def _signal_stack(pid: int) -> None:
 
 def inject_test_faults(rank: int, step: int) -> None:
     """Test hooks (ENV_KNOBS): TITAN_TEST_STOP_RANK=<rank>@<step> SIGSTOPs that rank at the start
-    of that step; TITAN_TEST_SLOW_RANK=<rank>:<seconds> sleeps that long in that rank's every step."""
+    of that step; TITAN_TEST_SLOW_RANK=<rank>:<seconds>[@<first step>] sleeps that long in that rank's
+    every step (from that step on)."""
     from trainer.configurable import env_value
 
     stop = env_value("TITAN_TEST_STOP_RANK")
@@ -262,4 +263,6 @@ def inject_test_faults(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     slow = env_value("TITAN_TEST_SLOW_RANK")
     if slow and slow.split(":")[0] == str(rank):
-        time.sleep(float(slow.split(":")[1]))
+        seconds, _, first = slow.split(":")[1].partition("@")
+        if step >= int(first or 0):
+            time.sleep(float(seconds))
