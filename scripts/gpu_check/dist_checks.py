@@ -40,7 +40,8 @@ def run_fused_adamw(rows, dry: bool) -> None:
     cfg = OptimizerConfig(implementation="fused")
     config = f"fused AdamW, {len(shapes)} params (Shard(0), Replicate) on a one-rank mesh vs plain tensors"
     try:
-        opts = [build_optimizer(plain, cfg, dev.type), build_optimizer(dts, cfg, dev.type)]
+        # build_optimizer takes a model part: each list stands in as a ParameterList.
+        opts = [build_optimizer(torch.nn.ParameterList(ps), cfg, dev.type) for ps in (plain, dts)]
         syncs = []
         for _ in range(3):
             grads = [torch.randn(*s, generator=g).to(dev) for s in shapes]
