@@ -118,3 +118,20 @@ def test_the_kernel_gets_views_of_the_stored_weights_and_the_same_numbers(fake_f
     assert torch.equal(out[False], out[True])
     for a, b in zip(grads[False], grads[True]):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+
+
+def test_stored_layout_under_ep_and_fsdp_equals_the_plain_one():
+    """tests/expert_layout_worker.py: EP then FSDP2 (one rank each) over the stored layout:
+    the same loss, state dict and grads as the plain layout, bitwise."""
+    import json
+    import os
+    import sys
+
+    from tests.helpers import REPO, run_killing_group
+
+    proc = run_killing_group([sys.executable, "-m", "tests.expert_layout_worker"], cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["experts"] >= 3 and got["state_equal"], got
+    assert got["loss_kernel"] == got["loss_plain"] and got["max_grad_rel"] == 0.0, got
