@@ -129,8 +129,7 @@ def traces_whole(moe, compute_dtype: torch.dtype | None) -> bool:
 
     if moe.token_dispatcher is not None or not moe.experts.use_grouped_mm or compute_dtype != torch.bfloat16:
         return False
-    w = [torch.empty(p.shape[-3:], dtype=compute_dtype, device="meta") for p in (moe.experts.w1, moe.experts.w2,
-                                                                               moe.experts.w3)]
+    w = [torch.empty(p.shape[-3:], dtype=compute_dtype, device="meta") for p in moe.experts.weights()]
     return grouped_mm_supported(torch.empty(1, w[0].shape[1], dtype=compute_dtype, device="meta"), *w)
 
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import Shard, distribute_tensor
 
 
@@ -106,7 +106,7 @@ class ExpertParallelDispatcher:
         splits = torch.cat([send_splits, recv.sum(dim=1)]).tolist()
         send, received_per_peer = splits[:ep], splits[ep:]
 
-        received = all_to_all_single_autograd(routed_input, received_per_peer, send, self.group)
+        received = self.exchange(routed_input, received_per_peer, send)
 
         # (peer, local expert) order -> (local expert, peer) order. output_size: without it the
         # kernel reads sum(recv) back to the host (a hidden sync per MoE layer, and again in
@@ -128,7 +128,18 @@ class ExpertParallelDispatcher:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = out.index_select(0, inverse)
-        return all_to_all_single_autograd(back, send, received_per_peer, self.group)
+        return self.exchange(back, send, received_per_peer)
+
+    def exchange(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        """The uneven all-to-all of `rows` (with autograd), waited here: a plain tensor.
+
+        Left as an AsyncCollectiveTensor, the combine's output would be waited wherever it is
+        first used. Under compile that is the compiled resume of `MoE.forward`, whose first
+        call (the one that compiles) waits out of the SAC modes' sight and whose later calls
+        (the op-AC recompute) wait in sight: the recompute then meets a `wait_tensor` the
+        forward never recorded ("invocation index 1 ... not found in storage"). An explicit
+        wait is one recorded op in both."""
+        return wait_tensor(all_to_all_single_autograd(rows, output_splits, input_splits, self.group))
 
 
 def _moe_layers(model: nn.Module) -> list[nn.Module]:

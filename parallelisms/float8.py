@@ -75,6 +75,10 @@ class Float8Config:
         if self.moe_grouped_gemm and getattr(root.model_args, "n_routed_experts", None) is None:
             raise ConfigError("config error: float8.moe_grouped_gemm: the model has no routed experts (nothing to "
                               "convert); set --float8.moe_grouped_gemm false")
+        if self.moe_grouped_gemm and root.optimizer.name == "muon":
+            raise ConfigError("config error: float8.moe_grouped_gemm: stores the experts transposed for the kernel, "
+                              "and Muon's update scale reads them as [E, in, out]; use optimizer.name AdamW or set "
+                              "--float8.moe_grouped_gemm false")
         if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ConfigError(f"config error: float8.enable_fsdp_float8_all_gather: needs recipe tensorwise (got "
                               f"{self.recipe!r}); set --float8.recipe tensorwise or turn the float8 all-gather off")
@@ -169,6 +173,7 @@ def enable_float8_grouped_experts(model: nn.Module, device: torch.device | None)
     for name, m in model.named_modules():
         if isinstance(m, GroupedExperts):
             m.float8_grouped_mm = True
+            m.store_for_kernel()  # the layout the kernel reads: no per-call copy of the weights
             names.append(name)
     return names
 

@@ -1,8 +1,11 @@
-"""Fetches a Llama 3 tokenizer.model (tiktoken format) from the Hugging Face Hub.
+"""Fetches a tokenizer from the Hugging Face Hub: a Llama 3 tokenizer.model (tiktoken format),
+or with `--filename tokenizer.json` an HF tokenizer.json (DeepSeek's).
 
     python scripts/download_tokenizer.py --repo_id meta-llama/Llama-3.1-8B --hf_token hf_...
     # -> assets/tokenizer/Llama-3.1-8B/tokenizer.model; then train with
     #    --model.tokenizer_path assets/tokenizer/Llama-3.1-8B/tokenizer.model
+    python scripts/download_tokenizer.py --repo_id meta-llama/Llama-3.1-8B --local_dir assets/tokenizer/llama3
+    # -> where train_configs/llama*.toml look (the trainer's error names each shipped config's command)
 
 Meta's repos are gated: accept the licence on the model page first and pass a
 token with read access (or set HF_TOKEN). Uses `huggingface_hub` when it is
@@ -82,14 +85,18 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--filename", default="original/tokenizer.model", help="path of the file inside the repo")
     ap.add_argument("--revision", default="main")
     ap.add_argument("--local_dir", default=None,
-                    help="output folder (default: assets/tokenizer/<repo name>); the file is saved as tokenizer.model")
+                    help="output folder (default: assets/tokenizer/<repo name>); the file is saved as tokenizer.json "
+                         "when --filename ends in .json, else as tokenizer.model")
     args = ap.parse_args(argv)
 
     local_dir = args.local_dir or os.path.join(REPO_ROOT, "assets", "tokenizer", args.repo_id.rstrip("/").split("/")[-1])
     os.makedirs(local_dir, exist_ok=True)
-    dest = os.path.join(local_dir, "tokenizer.model")
+    dest = os.path.join(local_dir, "tokenizer.json" if args.filename.endswith(".json") else "tokenizer.model")
     fetch = _fetch_with_hf_hub if _have_hf_hub() else _fetch_with_urllib
     fetch(args.repo_id, args.filename, args.hf_token, args.revision, dest)
+    if dest.endswith(".json"):  # its BOS/EOS tokens are named in tokenizer_config.json beside it
+        beside = "/".join([*args.filename.split("/")[:-1], "tokenizer_config.json"])
+        fetch(args.repo_id, beside, args.hf_token, args.revision, os.path.join(local_dir, "tokenizer_config.json"))
 
     from trainer.configurable import ConfigError
     from trainer.data.tokenizer import build_tokenizer
@@ -98,9 +105,14 @@ def main(argv: list[str] | None = None) -> str:
         tok = build_tokenizer(dest)
     except ConfigError as e:
         os.unlink(dest)
-        raise SystemExit(f"error: downloaded file is not a tiktoken BPE file ({e}); is --filename right?") from None
-    note = "" if tok.num_base_tokens == 128000 else " (not 128000 ranks: not a Llama 3 tokenizer, small special set used)"
-    print(f"saved {dest}: {tok.num_base_tokens} ranks, vocab_size {tok.vocab_size}{note}")
+        kind = "an HF tokenizer.json" if dest.endswith(".json") else "a tiktoken BPE file"
+        raise SystemExit(f"error: downloaded file is not {kind} ({e}); is --filename right?") from None
+    base = getattr(tok, "num_base_tokens", None)
+    if base is None:  # tokenizer.json
+        print(f"saved {dest}: vocab_size {tok.vocab_size}")
+    else:
+        note = "" if base == 128000 else " (not 128000 ranks: not a Llama 3 tokenizer, small special set used)"
+        print(f"saved {dest}: {base} ranks, vocab_size {tok.vocab_size}{note}")
     print(f"use it with --model.tokenizer_path {dest}")
     return dest
 

@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh                      # one GPU; results in out/gpu_check/ (gpu_check.md)
 #   scripts/gpu_check.sh --out DIR            # elsewhere
-#   scripts/gpu_check.sh --dry --out DIR      # CPU, tiny shapes (the test suite runs this)
+#   scripts/gpu_check.sh --dry --out DIR      # CPU, tiny shapes, one section per code path (the test suite runs this)
 #   scripts/gpu_check.sh --list               # the sections, their timeouts and order
 #   scripts/gpu_check.sh --only env,mla_flash # some sections
 # PYTHON=... picks the interpreter (default python3). Exit status: 0 when no row failed.

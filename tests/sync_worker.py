@@ -1,7 +1,9 @@
 """Counts host reads of one MoE forward + backward under EP with op-level AC (a one-rank gloo
 EP mesh, so the real dispatcher runs); prints {"forward": {...}, "backward": {...}} as JSON.
+With `compile`: the same model compiled (aot_eager, MoE blocks woven) under op AC in this
+fresh process, against eager without AC; prints the losses and the worst grad difference.
 
-    python -m tests.sync_worker PORT
+    python -m tests.sync_worker PORT [compile]
 
 Run in a subprocess by tests/test_cuda_paths.py (it initialises a process group).
 """
@@ -64,23 +66,58 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main(port: int) -> None:
+def _ep_model(mesh, mode: str, compiled: bool):
     from models import get_model_spec
     from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
     from parallelisms.apply import build_model
+    from parallelisms.compile import CompileConfig, apply_compile
     from parallelisms.expert_parallel import apply_expert_parallel
+    from tests.ep_worker import EP_TEST
+
+    spec = get_model_spec("deepseek_v3")
+    torch.manual_seed(0)
+    model = build_model(spec, EP_TEST, "cpu")
+    model.init_weights()
+    n_moe = apply_expert_parallel(model, mesh)
+    ac = ActivationCheckpointConfig(mode=mode)
+    if mode != "none":
+        apply_activation_checkpointing(model, ac, spec=spec)
+    if compiled:
+        apply_compile(model, CompileConfig(enable=True, backend="aot_eager"), ac)
+    return model, n_moe
+
+
+def compiled_vs_eager(mesh) -> dict:
+    """One step of the compiled op-AC EP model (the first compiled call of every piece: the
+    forward compiles, the op-AC recompute reruns the compiled pieces) against eager without AC."""
+    from tests.ep_worker import EP_TEST
+
+    tokens = torch.randint(0, EP_TEST.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for name, mode, compiled in (("eager", "none", False), ("compiled", "op", True)):
+        model, _ = _ep_model(mesh, mode, compiled)
+        loss = model(tokens).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for n, p in model.named_parameters()}
+        got[name] = (loss.item(), {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads.items()})
+    (le, ge), (lc, gc) = got["eager"], got["compiled"]
+    assert ge.keys() == gc.keys(), sorted(ge.keys() ^ gc.keys())
+    worst = max(((gc[n] - ge[n]).abs().max() / ge[n].abs().max().clamp_min(1e-12)).item() for n in ge)
+    return {"loss_eager": le, "loss_compiled": lc, "grads": len(ge), "max_grad_rel": worst}
+
+
+def main(port: int, what: str = "syncs") -> None:
     from tests.ep_worker import EP_TEST
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-        spec = get_model_spec("deepseek_v3")
-        torch.manual_seed(0)
-        model = build_model(spec, EP_TEST, "cpu")
-        model.init_weights()
-        n_moe = apply_expert_parallel(model, mesh)
-        apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="op"), spec=spec)
+        if what == "compile":
+            print(json.dumps(compiled_vs_eager(mesh)))
+            return
+        model, n_moe = _ep_model(mesh, "op", compiled=False)
         tokens = torch.randint(0, EP_TEST.vocab_size, (2, 32))
         with HostReads() as reads:
             out = model(tokens)
@@ -93,4 +130,4 @@ def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), *sys.argv[2:])

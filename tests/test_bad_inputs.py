@@ -1,16 +1,22 @@
 """Every bad input through the real CLI (`./run_train.sh`, a subprocess each): exit 2, one line
 that names the field or file, no traceback, no torchrun failure report.
 
-Most cases stop in the pre-launch check (one Python start-up, ~3 s); the ones only a worker
-can find (data content, checkpoint bytes, HF weights, a diverging run) go through torchrun
-with the tiny model (~10 s). Cases run two at a time. The table at the top is the list of bad inputs
-covered; `python -m pytest -q -s tests/test_bad_inputs.py` prints each case's line.
+Most cases stop in the pre-launch check. Those run in one Python process
+(tests/bad_input_worker.py: the same `trainer.launch --check-config` call `run_train.sh` makes,
+stdout and stderr captured per case), except a few sent through `./run_train.sh` itself
+(`VIA_CLI`) to keep the shell path honest; the ones the shell finds (NGPU, NPROC, LOG_RANK)
+and the ones only a worker can find (data content, checkpoint bytes, HF weights, a diverging
+run) go through `./run_train.sh`, the latter through torchrun with the tiny model (~10 s).
+Subprocesses run two at a time. The table at the top is the list of bad inputs covered;
+`python -m pytest -q -s tests/test_bad_inputs.py` prints each case's line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +128,39 @@ IN_WORKER = [
 ]
 
 
+# Pre-launch cases that also go through `./run_train.sh` (one per kind of input), and those
+# only the shell checks: the rest run their pre-launch check in one process.
+VIA_CLI = {"unknown key", "TOML syntax", "dry run on a layout that does not fit", "tokenizer missing",
+           "truncated .distcp", "NGPU not a number", "NGPU zero", "NPROC fractional", "LOG_RANK beyond the ranks",
+           "LOG_RANK not a rank"}
+
+
+class _Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _run_batched(cases, d: Path, tmp: Path) -> list[tuple]:
+    """The pre-launch check of `cases` in one process (tests/bad_input_worker.py)."""
+    specs = []
+    for i, (name, env, argv, fragment) in enumerate(cases):
+        assert set(env) <= {"NGPU"}, name  # the shell's own variables need the shell
+        argv = [a.replace("{d}", str(d)) for a in argv]
+        if not any(a == "--job.dump_folder" for a in argv):
+            argv += ["--job.dump_folder", str(tmp / f"batched{i}")]
+        specs.append({"argv": argv, "ngpu": env.get("NGPU", "1")})
+    path = tmp / "batched_cases.json"
+    path.write_text(json.dumps(specs))
+    t0 = time.time()
+    proc = run_killing_group([sys.executable, "-m", "tests.bad_input_worker", str(path)], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    secs = (time.time() - t0) / len(cases)
+    return [(case, _Result(r["rc"], r["stdout"], r["stderr"]), secs, case[3].replace("{d}", str(d)))
+            for case, r in zip(cases, got)]
+
+
 def _prepare(d: Path) -> None:
     (d / "syntax.toml").write_text("[training\nsteps = 3\n")
     (d / "section.toml").write_text("[trainig]\nsteps = 3\n")
@@ -186,10 +225,13 @@ def test_every_bad_input_is_one_line_exit_2_no_traceback(tmp_path):
     d = tmp_path / "inputs"
     d.mkdir()
     _prepare(d)
-    cases = IN_WORKER + PRE_LAUNCH  # the slow ones first, so the two lanes finish together
-    assert len(cases) >= 40
+    assert len(IN_WORKER + PRE_LAUNCH) >= 40
+    assert VIA_CLI <= {c[0] for c in PRE_LAUNCH}
+    via_cli = IN_WORKER + [c for c in PRE_LAUNCH if c[0] in VIA_CLI]  # the slow ones first
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda ic: _run(ic[1], d, tmp_path / f"dump{ic[0]}"), enumerate(cases)))
+        batched = pool.submit(_run_batched, [c for c in PRE_LAUNCH if c[0] not in VIA_CLI], d, tmp_path)
+        results = list(pool.map(lambda ic: _run(ic[1], d, tmp_path / f"dump{ic[0]}"), enumerate(via_cli)))
+        results += batched.result()
     problems = []
     for (name, env, argv, _), proc, secs, fragment in results:
         out = proc.stdout + proc.stderr

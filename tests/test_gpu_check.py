@@ -81,3 +81,32 @@ def test_dry_run_killed_midway_keeps_finished_sections(tmp_path):
     assert "torch" in json.loads((out / "env.json").read_text()) and (out / "env.md").exists()
     assert "| env | device |" in table and "| mla_flash |" in table and "flash applies" in table
     assert "| grouped_mm |" in table  # marked running: the driver was killed before it could say more
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_whole_dry_run_leaves_a_complete_table_and_passes(tmp_path):
+    """`scripts/gpu_check.sh --dry --out DIR` as a whole: every section of the plan has its row
+    (the --dry plan runs one section per code path and lists the others as skipped, naming
+    the section that runs their code), the env report is there, and no row FAILED or
+    MISMATCHed (exit 0): the sections' Python runs before any GPU does."""
+    from gpu_check.plan import PLAN
+
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry", "--out", str(out)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=850)
+    table = (out / "gpu_check.md").read_text()
+    assert proc.returncode == 0, table
+    status = json.loads((out / "status.json").read_text())
+    assert "finished_at" in status and list(status["sections"]) == [s.name for s in PLAN]
+    for s in PLAN:
+        state = status["sections"][s.name]
+        assert f"| {s.name} |" in table, s.name
+        if s.dry_as:
+            assert state["state"] == "skipped" and s.dry_as in state["why"], (s.name, state)
+        else:
+            assert state == {**state, "state": "exit", "rc": 0}, (s.name, state)
+            assert json.loads((out / "rows" / f"{s.name}.json").read_text()), s.name
+    assert "FAILED" not in table and "MISMATCH" not in table
+    env = json.loads((out / "env.json").read_text())
+    assert "torch" in env and (out / "env.md").read_text().strip()

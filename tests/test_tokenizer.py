@@ -188,3 +188,58 @@ def test_download_script_offline_error(tmp_path, monkeypatch):
         mod.main(["--repo_id", "meta-llama/Llama-3.1-8B", "--hf_token", "x", "--local_dir", str(tmp_path)])
     assert "huggingface.co" in str(e.value.code)
     assert not list(tmp_path.iterdir())  # no partial file left behind
+
+
+def test_each_shipped_configs_missing_tokenizer_error_gives_the_command_that_puts_it_there(tmp_path, monkeypatch):
+    """A shipped GPU config names a tokenizer the repo does not hold: its one-line error gives
+    the download command, and that command (the Hub replaced by a local file) saves the
+    tokenizer exactly where the config looks, where it then loads."""
+    import shlex
+    import tomllib
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+
+    from trainer.data import tokenizer as tokenizer_module
+
+    mod = _load_script("download_tokenizer")
+    word_level = tmp_path / "tokenizer.json"
+    RustTokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(word_level))
+    fetched = []
+
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "a"}')
+
+    def fake_fetch(repo_id, filename, token, revision, dest):
+        fetched.append((repo_id, filename))
+        source = {"tokenizer.json": word_level, "tokenizer_config.json": tmp_path / "tokenizer_config.json"}.get(
+            filename, DEBUG_TOKENIZER)
+        with open(source, "rb") as src, open(dest, "wb") as out:
+            out.write(src.read())
+
+    monkeypatch.setattr(mod, "_have_hf_hub", lambda: False)
+    monkeypatch.setattr(mod, "_fetch_with_urllib", fake_fetch)
+    # The repo's assets/ stands in as tmp_path: nothing is written into the checkout.
+    monkeypatch.setattr(tokenizer_module, "_REPO_ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    checked = set()
+    for config in sorted(Path(REPO, "train_configs").glob("*.toml")):
+        path = tomllib.loads(config.read_text()).get("model", {}).get("tokenizer_path")
+        if not path or os.path.exists(os.path.join(REPO, path)):
+            continue
+        if os.path.exists(path):  # fetched for an earlier config (llama3: 8B, 70B and 405B share it)
+            assert build_tokenizer(path).vocab_size > 0
+            continue
+        with pytest.raises(ConfigError) as e:
+            build_tokenizer(path)
+        message = str(e.value)
+        assert "\n" not in message and f"at {path!r}" in message, message
+        command = shlex.split(message.split("`")[1])
+        assert command[:2] == ["python", "scripts/download_tokenizer.py"], message
+        args = [a for a in command[2:] if a not in ("--hf_token", "<token>")]
+        mod.main(args)
+        assert build_tokenizer(path).vocab_size > 0, config.name  # the config's own path now loads
+        checked.add(os.path.dirname(path))
+    assert checked == set(tokenizer_module.SHIPPED_TOKENIZERS), checked  # every shipped folder, no stale entry
+    assert {r for r, _ in fetched} == {"meta-llama/Llama-3.1-8B", "deepseek-ai/DeepSeek-V2-Lite",
+                                       "deepseek-ai/DeepSeek-V3"}

@@ -88,11 +88,14 @@ def padded_group_layout(num_tokens_per_expert: torch.Tensor, n_rows: int, align:
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, float8: bool) -> torch.Tensor:
     if float8:
-        # torchao's float8 rowwise grouped GEMM (CUDA SM90+); it wants the weight column-major
-        # per expert, i.e. stored as [E, N, K]: ours is [E, K, N], so this copies it.
+        # torchao's float8 rowwise grouped GEMM (CUDA SM90+) reads each expert's [K, N] matrix
+        # column-major. `GroupedExperts.store_for_kernel` (float8.moe_grouped_gemm) holds the
+        # weights so, and w is a view; a row-major w would be copied here, on every call.
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.mT.contiguous().mT, offs, out_dtype=x.dtype,
+        if w.stride(-2) != 1:
+            w = w.mT.contiguous().mT
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w, offs, out_dtype=x.dtype,
                                                       pad_token_groups_for_grouped_mm=False)
     return torch._grouped_mm(x, w, offs=offs)
 

@@ -161,6 +161,8 @@ class GroupedExperts(nn.Module):
     partial_grad_over_replicate: bool = False
     # Set by parallelisms/float8.py (`float8.moe_grouped_gemm`): grouped GEMMs in float8.
     float8_grouped_mm: bool = False
+    # Set by `store_for_kernel`: w1/w2/w3 are held as [E, N, K] (see there).
+    kernel_layout: bool = False
     # Set by parallelisms/compile.py: a torch.compile'd `experts_grouped_mm` for bf16 inputs.
     compiled_grouped_mm = None
 
@@ -172,6 +174,29 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
+    def store_for_kernel(self) -> None:
+        """Holds w1/w2/w3 as [E, N, K], each expert's matrix transposed and contiguous: the
+        column-major [E, K, N] that torchao's float8 grouped GEMM reads is then a view
+        (`weights()`), where the [E, K, N] row-major layout costs a copy of every expert
+        weight on every call, kept for backward. Called before any sharding (the expert dim
+        stays dim 0). The state dict keeps [E, K, N] (hooks below), so checkpoints and HF
+        exports do not depend on it; init draws the same values."""
+        if self.kernel_layout:
+            return
+        if any(isinstance(getattr(self, n), DTensor) for n in ("w1", "w2", "w3")):
+            raise RuntimeError("store_for_kernel must run before the experts are sharded")
+        for name in ("w1", "w2", "w3"):
+            p = getattr(self, name)
+            setattr(self, name, nn.Parameter(p.detach().mT.contiguous(), requires_grad=p.requires_grad))  # [E, N, K]
+        self.kernel_layout = True
+        self._register_state_dict_hook(_experts_state_dict_external)
+        self.register_load_state_dict_pre_hook(_experts_load_state_dict_internal)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as [E, K, N] for x @ w: the parameters, or their transposed views."""
+        ws = (self.w1, self.w2, self.w3)
+        return tuple(w.mT for w in ws) if self.kernel_layout else ws
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] rows grouped by expert in order 0..E-1; num_tokens_per_expert: [E] int."""
         w1, w2, w3 = self.w1, self.w2, self.w3
@@ -180,6 +205,8 @@ class GroupedExperts(nn.Module):
             if self.partial_grad_over_replicate:
                 grad_placements = [Partial() if p.is_replicate() else p for p in w1.placements]
             w1, w2, w3 = (w.to_local(grad_placements=grad_placements) for w in (w1, w2, w3))
+        if self.kernel_layout:  # [E, N, K] -> [E, K, N] views, column-major per expert
+            w1, w2, w3 = w1.mT, w2.mT, w3.mT
         if torch.is_autocast_enabled(x.device.type):
             # `_grouped_mm` has no autocast rule: without this, bf16 autocast (one GPU, no FSDP)
             # would hand it the fp32 residual stream, and fall back to the per-expert loop.
@@ -195,9 +222,30 @@ class GroupedExperts(nn.Module):
         return experts_loop(w1, w2, w3, x, num_tokens_per_expert)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        trunc_normal_(self.w1, mean=0.0, std=std)
-        trunc_normal_(self.w2, mean=0.0, std=out_std)
-        trunc_normal_(self.w3, mean=0.0, std=out_std)
+        for w, s in zip(self.weights(), (std, out_std, out_std)):
+            if not self.kernel_layout:
+                trunc_normal_(w, mean=0.0, std=s)
+                continue
+            # Drawn in the [E, K, N] layout, then stored transposed: the same values as without.
+            drawn = torch.empty_like(w, memory_format=torch.contiguous_format)
+            trunc_normal_(drawn, mean=0.0, std=s)
+            with torch.no_grad():
+                w.copy_(drawn)
+
+
+def _experts_state_dict_external(module, state_dict, prefix, local_metadata):
+    """State-dict hook of a `store_for_kernel` GroupedExperts: [E, N, K] -> [E, K, N] views."""
+    for name in ("w1", "w2", "w3"):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].mT
+    return state_dict
+
+
+def _experts_load_state_dict_internal(module, state_dict, prefix, *args):
+    """Load pre-hook of a `store_for_kernel` GroupedExperts: [E, K, N] -> its [E, N, K]."""
+    for name in ("w1", "w2", "w3"):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].mT
 
 
 # --------------------------------------------------------------------------- aux loss

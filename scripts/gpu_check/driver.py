@@ -36,8 +36,9 @@ def _now() -> str:
 
 
 class Driver:
-    def __init__(self, out: Path, names: list[str], dry: bool, deadline_s: float):
+    def __init__(self, out: Path, names: list[str], dry: bool, deadline_s: float, dry_plan: bool = False):
         self.out, self.names, self.dry, self.deadline_s = out, names, dry, deadline_s
+        self.dry_plan = dry_plan  # --dry without --only: sections with `dry_as` are listed, not run
         self.scale = DRY_SCALE if dry else 1
         self.t0 = time.monotonic()
         self.child: subprocess.Popen | None = None
@@ -109,6 +110,9 @@ class Driver:
         for name in self.names:
             left = self.deadline_s - (time.monotonic() - self.t0)
             timeout_s, why = start_timeout(BY_NAME[name], left, self.scale)
+            if self.dry_plan and BY_NAME[name].dry_as:
+                timeout_s, why = None, f"skipped: not in the --dry plan (its code runs in {BY_NAME[name].dry_as}, " \
+                                       f"other flags); --dry --only {name} runs it"
             if timeout_s is None:
                 self.status["sections"][name] = {"state": "skipped", "why": why}
                 self.say(f"== {name}: {why}")
@@ -130,7 +134,8 @@ class Driver:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes (what the test suite runs)")
+    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes, one section per code path (what the "
+                        "test suite runs; --only runs any section)")
     parser.add_argument("--out", default="out/gpu_check", help="the results folder (default out/gpu_check)")
     parser.add_argument("--only", default="", help="comma-separated sections to run, in plan order")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -139,7 +144,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for s in PLAN:
-            print(f"{s.name:28s} {s.timeout_s:4d} s  {'core ' if s.core else 'extra'}  {s.kind:10s}  {s.what}")
+            dry = f" (--dry: as {s.dry_as})" if s.dry_as else ""
+            print(f"{s.name:28s} {s.timeout_s:4d} s  {'core ' if s.core else 'extra'}  {s.kind:10s}  {s.what}{dry}")
         return 0
     names = [s.name for s in PLAN]
     if args.only:
@@ -150,4 +156,4 @@ def main(argv: list[str]) -> int:
             return 2
         names = [n for n in names if n in wanted]
     deadline = args.deadline_s if args.deadline_s is not None else DEADLINE_S * (DRY_SCALE if args.dry else 1)
-    return Driver(Path(args.out).resolve(), names, args.dry, deadline).run()
+    return Driver(Path(args.out).resolve(), names, args.dry, deadline, dry_plan=args.dry and not args.only).run()

@@ -74,17 +74,20 @@ def _dynamic_rows(rows, dev, dry: bool) -> None:
     rows.progress(config, "compile")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    fn = torch.compile(lambda w1, w2, w3, x, n: experts_grouped_mm(w1, w2, w3, x, n, align=GROUP_ALIGN_BF16),
-                       backend=backend)
+    # What the trainer installs under EP (`parallelisms.compile.compile_moe`): the wrapper marks
+    # the rows of the tensor it is called with (marking the caller's x would miss the clone
+    # `_fwd_bwd` passes, and dynamo would compile twice, static then automatic-dynamic).
+    from parallelisms.compile import _dynamic_rows as rows_marked_dynamic
+
+    fn = rows_marked_dynamic(torch.compile(experts_grouped_mm, backend=backend, fullgraph=True))
     worst, syncs, t0 = 0.0, [], time.perf_counter()
     sizes = (1, 2, 3) if dry else (61, 97, 131)
     for per in sizes:
         ws, x, counts, _, _ = _expert_case(dev, dry, torch.bfloat16, per)
-        torch._dynamo.mark_dynamic(x, 0)
         n = counts.to(dev)
         ref, ref_leaves = _fwd_bwd(lambda *a: experts_grouped_mm(*a, align=GROUP_ALIGN_BF16), ws, x, n)
         with count_syncs(dev) if dev.type == "cuda" else _no_count() as box:
-            y, leaves = _fwd_bwd(fn, ws, x, n)
+            y, leaves = _fwd_bwd(lambda *a: fn(*a, GROUP_ALIGN_BF16), ws, x, n)
         syncs.append(box["n"])
         worst = max(worst, *(((a.grad.float() - b.grad.float()).norm() / b.grad.float().norm()).item()
                              for a, b in zip(leaves, ref_leaves)), ((y.float() - ref.float()).norm() /

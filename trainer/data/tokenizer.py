@@ -307,6 +307,30 @@ _FIX = ("point it at an HF tokenizer.json, a tiktoken BPE file (base64 token + r
         "e.g. Llama 3's original/tokenizer.model), or a folder holding one")
 
 
+# The tokenizers the shipped GPU configs name, which the repo does not hold (licences): the
+# folder -> (Hub repo, file in it) that `scripts/download_tokenizer.py` fetches it from.
+SHIPPED_TOKENIZERS = {
+    "assets/tokenizer/llama3": ("meta-llama/Llama-3.1-8B", "original/tokenizer.model"),
+    "assets/tokenizer/deepseek_v2": ("deepseek-ai/DeepSeek-V2-Lite", "tokenizer.json"),
+    "assets/tokenizer/deepseek_v3": ("deepseek-ai/DeepSeek-V3", "tokenizer.json"),
+}
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def missing_tokenizer_fix(path: str | None) -> str:
+    """How to get the tokenizer at `path`: the exact download command for a shipped config's
+    folder, else the general ways."""
+    if path:
+        rel = os.path.relpath(os.path.abspath(path), _REPO_ROOT).replace(os.sep, "/")
+        for folder, (repo, filename) in SHIPPED_TOKENIZERS.items():
+            if rel == folder or rel.startswith(folder + "/"):
+                name = "" if filename == "original/tokenizer.model" else f" --filename {filename}"
+                return (f"fetch it with `python scripts/download_tokenizer.py --repo_id {repo}{name} --local_dir "
+                        f"{folder} --hf_token <token>`, or set --model.hf_path to a downloaded HF model folder")
+    return ("build the debug one with `python scripts/train_tokenizer.py`, use an HF model folder, or fetch one with "
+            "`python scripts/download_tokenizer.py --repo_id <hf repo> --hf_token <token>`")
+
+
 def build_tokenizer(path: str, *, field: str = "model.tokenizer_path"):
     """Loads a tokenizer file or a model folder's tokenizer (see the module docstring);
     a missing or malformed one raises ConfigError in one line naming `field` (the option
@@ -315,9 +339,7 @@ def build_tokenizer(path: str, *, field: str = "model.tokenizer_path"):
     if file is None:
         what = "no tokenizer file or folder" if not (path and os.path.isdir(path)) else \
             "no tokenizer.json, original/tokenizer.model or tokenizer.model in the folder"
-        raise ConfigError(f"config error: {field}: {what} at {path!r}; build the debug one with "
-                          "`python scripts/train_tokenizer.py`, use an HF model folder, or fetch Llama 3's with "
-                          "`python scripts/download_tokenizer.py --repo_id <hf repo> --hf_token <token>`")
+        raise ConfigError(f"config error: {field}: {what} at {path!r}; {missing_tokenizer_fix(path)}")
     folder = _folder_of(file)
     hashed = [file] + [os.path.join(folder, n) for n in _SPECIAL_FILES]
     if file.endswith(".json"):
