@@ -25,6 +25,7 @@ class Efficiency:
     docs/planner.md says where each value comes from."""
 
     matmul: float = 0.55  # dense bf16 GEMMs (linear layers), of peak FLOP/s
+    float8_matmul: float = 0.40  # float8 linear layers (dynamic scaling), of peak fp8 FLOP/s
     attention: float = 0.40  # causal flash attention forward+backward, of peak FLOP/s
     grouped_gemm: float = 0.35  # MoE routed experts' grouped GEMM, of peak FLOP/s
     hbm: float = 0.70  # elementwise ops (norms, activations, adds), of HBM bandwidth
@@ -135,7 +136,7 @@ def hardware_from_table(table: dict, source: str, name: str | None = None) -> Ha
             raise ConfigError(f"config error: {source}: unknown efficiency field {key!r}; fields: "
                               f"{', '.join(_EFF_FIELDS)}")
         bounded = None if key == "step_overhead_s" else 1.0
-        eff[key] = _number(source, f"efficiency.{key}", v, positive=key != "step_overhead_s", at_most=bounded)
+        eff[key] = _number(source, f"efficiency.{key}", v, positive=key not in ("step_overhead_s", "overlap"), at_most=bounded)
     base = H100_EFFICIENCY if device == "cuda" else Efficiency()
     return Hardware(name=str(table.get("name", name or Path(source).stem)), device=device, cores=cores,
                     efficiency=dataclasses.replace(base, **eff), note=str(table.get("note", "")), **values)

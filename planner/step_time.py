@@ -133,7 +133,7 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     fp8_ok = plan.float8 and hw.fp8_tflops > 0
     mm_peak = (hw.fp8_tflops if fp8_ok else hw.bf16_tflops) * 1e12 * (peak / (hw.bf16_tflops * 1e12))
     head_s = tok * 6.0 * w.head / (peak * eff.matmul)
-    t_mm = (mm_flops - tok * 6.0 * w.head) / (mm_peak * eff.matmul) + head_s
+    t_mm = (mm_flops - tok * 6.0 * w.head) / (mm_peak * (eff.float8_matmul if fp8_ok else eff.matmul)) + head_s
     t_attn = attn_flops / (peak * eff.attention)
     t_grouped = grouped_flops / (peak * eff.grouped_gemm)
 
