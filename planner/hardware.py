@@ -58,8 +58,11 @@ class Hardware:
 
 # The efficiencies calibrated on TorchTitan's published H100 rows (docs/planner.md, "Calibration");
 # every GPU below shares them until it has rows of its own.
-H100_EFFICIENCY = Efficiency(matmul=0.62, attention=0.42, grouped_gemm=0.35, hbm=0.70, link=0.70, overlap=0.85,
-                             compile_elementwise=0.40, step_overhead_s=0.08)
+# Fitted (scripts/bench_plan.py h100): matmul, hbm, overlap, step_overhead_s. Set, not fitted: attention
+# = 0.68 x matmul (FlashAttention-2's causal fwd+bwd relative to GEMMs on H100), grouped_gemm,
+# float8_matmul, link and compile_elementwise (priors; docs/planner.md).
+H100_EFFICIENCY = Efficiency(matmul=0.54, float8_matmul=0.40, attention=0.367, grouped_gemm=0.35, hbm=0.25, link=0.70,
+                             overlap=0.65, compile_elementwise=0.5, step_overhead_s=0.16)
 
 KNOWN: dict[str, Hardware] = {h.name: h for h in (
     Hardware("h100-sxm", 989, 1979, 79.6, 3350, 450, 8, 50, efficiency=H100_EFFICIENCY,

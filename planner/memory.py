@@ -117,6 +117,9 @@ class MemoryModel:
             self.cache[key] = (ref, self.estimate_exact(ref))
         return self.cache[key]
 
+    def cached(self, plan: Plan) -> bool:
+        return structural_key(plan) in self.cache
+
     def of(self, plan: Plan) -> PlanMemory:
         ref_plan, est = self.reference(plan)
         return scale(est, ref_plan, plan)

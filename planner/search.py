@@ -76,7 +76,8 @@ def _pow2_upto(n: int) -> list[int]:
 
 class Search:
     def __init__(self, cfg, base_argv: list[str], w: Workload, hw: Hardware, world: int, seq_len: int,
-                 global_samples: int, space: Space, memory: MemoryModel, headroom: float = 0.0):
+                 global_samples: int, space: Space, memory: MemoryModel, headroom: float = 0.0,
+                 max_estimates: int | None = None):
         self.cfg, self.base_argv, self.w, self.hw = cfg, base_argv, w, hw
         self.world, self.seq, self.samples, self.space, self.memory = world, seq_len, global_samples, space, memory
         self.capacity = hw.hbm_gib * GiB * (1 - headroom)
@@ -84,6 +85,8 @@ class Search:
         self.stats = SearchStats()
         self._layout_ok: dict = {}
         self._mem_fail: dict = {}
+        self.max_estimates = max_estimates  # stop the walk before the estimator runs more often (--dry-run)
+        self.truncated = False
 
     # ---- enumeration ----
     def skeletons(self):
@@ -268,6 +271,10 @@ class Search:
                 if self._dominated(plan):
                     self.stats.rejected_by_memory += 1
                     continue
+                if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
+                        and not self.memory.cached(plan):
+                    self.truncated = True
+                    return results[:top]
                 mem = self.fits(plan)
                 if mem is None:
                     self.stats.rejected_by_memory += 1
