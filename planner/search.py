@@ -39,7 +39,7 @@ class Space:
     """What the search may choose (the CLI narrows it)."""
 
     ac_modes: tuple = ("none", "op", "full", "budget")
-    budgets: tuple = (0.25, 0.5, 0.75)
+    budgets: tuple = (0.5,)
     compile: tuple = (False, True)
     float8: tuple = (False, True)
     chunked_ce: tuple = (False, True)
@@ -189,11 +189,25 @@ class Search:
 
     def persistent_bound(self, plan: Plan) -> float:
         """A lower bound of the tensors per rank: 16 bytes (param, grad, 2 moments, fp32) per
-        local parameter of an average PP rank."""
+        local parameter of an average PP rank, plus FSDP's gathered parameters in the compute
+        dtype (under PP the trainer keeps a stage's units gathered: reshard_after_forward
+        default; otherwise at least one block). Routed experts are sharded over
+        dp_shard x cp x tp with EP, over dp_shard x cp without it."""
         w = self.w
-        dense = (sum(w.layer_dense) + sum(w.layer_norms) + w.embedding + w.head) / (plan.tp * plan.dp_shard * plan.cp)
-        experts = sum(w.layer_experts) / (plan.dp_shard * plan.cp * plan.tp)
-        return 16 * 0.97 * (dense + experts) / plan.pp
+        tp_dense = plan.tp
+        dense = (sum(w.layer_dense) + sum(w.layer_norms) + w.embedding + w.head) / tp_dense
+        expert_ranks = plan.dp_shard * plan.cp * (plan.tp if plan.ep > 1 else 1)
+        experts = sum(w.layer_experts)
+        local = (dense / (plan.dp_shard * plan.cp) + experts / expert_ranks) / plan.pp
+        gathered_stage = (dense + experts / (plan.ep if plan.ep > 1 else 1)) / plan.pp
+        fsdp = plan.dp_shard * plan.cp > 1 or plan.dp_replicate > 1
+        if not fsdp:
+            buffers = 0.0
+        elif plan.pp > 1:
+            buffers = gathered_stage * self.esize
+        else:
+            buffers = gathered_stage / self.w.n_layers * self.esize
+        return 0.97 * (16 * local + buffers)
 
     def activation_bound(self, plan: Plan) -> float:
         """`persistent_bound` plus what any AC mode keeps: each block's input (one hidden
@@ -239,6 +253,22 @@ class Search:
             return None
         return mem
 
+    def frugal_fits(self, skel: Plan) -> bool:
+        """Whether the skeleton's least memory (full AC, the smallest local batch) fits: one
+        estimate that rules out all its options when it does not."""
+        opts = [p for p in self.options(skel) if p.ac == "full" and not p.compile and not p.float8]
+        opts = [p for p in opts if self.layout_ok(p)]
+        if not opts:
+            return False
+        small = min(opts, key=lambda p: (p.local_batch, not p.chunked_ce))
+        if self.activation_bound(small) > self.capacity:
+            self.stats.rejected_by_bound += 1
+            return False
+        if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
+                and not self.memory.cached(small):
+            return True  # unknown: let the options decide (the walk stops at its next estimate)
+        return self.fits(small) is not None
+
     # ---- the walk ----
     def run(self, top: int = 10) -> list[Result]:
         skels = []
@@ -257,6 +287,8 @@ class Search:
             if len(results) >= top and bound >= results[top - 1].time.step_s:
                 break
             self.stats.visited += 1
+            if not self.frugal_fits(skel):
+                continue
             opts = sorted(((self.predict(p), p) for p in self.options(skel)), key=lambda x: x[0].step_s)
             for st, plan in opts:
                 if len(results) >= top and st.step_s >= results[top - 1].time.step_s:

@@ -167,7 +167,7 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     stage_experts = share(sum(w.layer_experts))
     fsdp = plan.dp_shard * cp
     dense_unit = stage_params / tp  # gathered bytes per all-gather of the rank's dense params
-    expert_unit = stage_experts / (ep if ep > 1 else tp)
+    expert_unit = stage_experts / ep  # routed experts: split over EP; not TP-sharded
     efsdp = plan.dp_shard * cp * tp // ep if ep > 1 else fsdp
     gathers = (1 if pp > 1 else 2) * (1 if pp > 1 else n_mb)  # PP keeps params gathered (reshard never)
     reduces = 1 if pp > 1 else n_mb
