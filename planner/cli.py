@@ -155,10 +155,10 @@ def no_fit_line(search, w, hw, world, seq, tokens, opts) -> str:
     from planner.search import GiB, Search, Space
 
     best = search.stats.min_footprint
-    why = (f"the smallest footprint found is {best[0] / GiB:.1f} GiB per rank ({best[1].layout_label()}, AC "
-           f"{best[1].ac_label()}: params + AdamW states {best[2].persistent / GiB:.1f} GiB, activations "
-           f"{best[2].activations / GiB:.1f} GiB)") if best else \
-        (f"even the parameters, gradients and AdamW states ({16 * w.total_params / world / GiB:.1f} GiB per rank "
+    why = (f"the smallest footprint found is {best[0] / GiB:.2f} GiB per rank ({best[1].layout_label()}, AC "
+           f"{best[1].ac_label()}: params + AdamW states {best[2].persistent / GiB:.2f} GiB, activations "
+           f"{best[2].activations / GiB:.2f} GiB)") if best else \
+        (f"even the parameters, gradients and AdamW states ({16 * w.total_params / world / GiB:.2f} GiB per rank "
          "at 16 bytes per parameter, sharded over every GPU) exceed it")
     hint = f"; more than {world * 16} GPUs would be needed"
     for k in range(1, 5):
@@ -171,9 +171,9 @@ def no_fit_line(search, w, hw, world, seq, tokens, opts) -> str:
         found = small.run(1)
         if found:
             r = found[0]
-            hint = (f"; {more} GPUs fit ({r.plan.layout_label()}, AC full, {r.memory.total / GiB:.1f} GiB per rank), "
-                    f"or GPUs with {best[0] / GiB:.0f} GiB" if best else
-                    f"; {more} GPUs fit ({r.plan.layout_label()}, AC full, {r.memory.total / GiB:.1f} GiB per rank)")
+            hint = (f"; {more} GPUs fit ({r.plan.layout_label()}, AC full, {r.memory.total / GiB:.2f} GiB per rank), "
+                    f"or GPUs with {best[0] / GiB:.2f} GiB" if best else
+                    f"; {more} GPUs fit ({r.plan.layout_label()}, AC full, {r.memory.total / GiB:.2f} GiB per rank)")
             break
     return (f"config error: --gpus: {w.name} fits at no layout on {world} x {hw.name} ({hw.hbm_gib:g} GiB each): "
             f"{why}{hint}")

@@ -3,7 +3,8 @@ one line when a layout predicted at least 10% faster fits.
 
 Why bounded: a dry run is a quick check, so the search for a faster layout may run the
 memory estimator at most `MAX_ESTIMATES` times (the full search is scripts/plan.py).
-The GPU is `TITAN_PLAN_GPU` (default h100-sxm; cpu-gloo once calibrated);
+The GPU is `TITAN_PLAN_GPU`: a name (default h100-sxm; cpu-gloo once calibrated) or a
+hardware TOML file;
 `TITAN_DRY_RUN_PLAN=0` turns the lines off (the test suite does, to keep CI short).
 Any failure here is one line, never a failed dry run.
 """
@@ -35,7 +36,8 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     from planner.step_time import predict
     from planner.workload import workload_of
 
-    hw = get_hardware(os.environ.get("TITAN_PLAN_GPU") or "h100-sxm")
+    choice = os.environ.get("TITAN_PLAN_GPU") or "h100-sxm"
+    hw = get_hardware(path=choice) if choice.endswith(".toml") else get_hardware(choice)
     plan = plan_of_config(cfg, world)
     w = workload_of(cfg)
     seq = cfg.training.seq_len

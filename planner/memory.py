@@ -109,20 +109,24 @@ class MemoryModel:
         return est
 
     def reference(self, plan: Plan):
+        """(reference plan, its estimate, the estimate at twice its microbatch): two points,
+        because a block's backward transient and the loss peak have parts that do not grow
+        with the tokens (gradient buffers of the block, the head's weight gradient)."""
         key = structural_key(plan)
         if key in self.cache:
             self.hits += 1
         else:
             ref = reference_plan(plan)
-            self.cache[key] = (ref, self.estimate_exact(ref))
+            double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
+            self.cache[key] = (ref, self.estimate_exact(ref), self.estimate_exact(double))
         return self.cache[key]
 
     def cached(self, plan: Plan) -> bool:
         return structural_key(plan) in self.cache
 
     def of(self, plan: Plan) -> PlanMemory:
-        ref_plan, est = self.reference(plan)
-        return scale(est, ref_plan, plan)
+        ref_plan, est, est2 = self.reference(plan)
+        return scale(est, ref_plan, plan, est2)
 
 
 def _units(plan: Plan) -> int:
@@ -132,8 +136,11 @@ def _units(plan: Plan) -> int:
     return _in_flight_units(plan.schedule, plan.pp, plan.stages_per_rank, n_mb)
 
 
-def scale(est, ref: Plan, plan: Plan) -> PlanMemory:
-    """Reads `plan`'s memory off the estimate `est` of its reference plan `ref` (module doc)."""
+def scale(est, ref: Plan, plan: Plan, est2=None) -> PlanMemory:
+    """Reads `plan`'s memory off the estimate `est` of its reference plan `ref` (module doc);
+    `est2`, the estimate at twice the reference's microbatch, splits each phase's non-activation
+    part into what grows with the tokens and what does not (without it: all of it grows).
+    The two references have the same in-flight count and the same sharding."""
     s = ref.dp_shard / plan.dp_shard
     tok = plan.samples_per_microbatch / ref.samples_per_microbatch
     act = tok * _units(plan) / _units(ref)
@@ -145,7 +152,13 @@ def scale(est, ref: Plan, plan: Plan) -> PlanMemory:
             phases[name] = v * s
             continue
         residual = v - est.fsdp_buffers - accum_ref - est.activations
-        phases[name] = est.fsdp_buffers + accum_new + est.activations * act + residual * tok
+        if est2 is not None:
+            residual2 = est2.phases[name] - est2.fsdp_buffers - accum_ref - est2.activations
+            grows = residual2 - residual  # per reference microbatch of tokens
+            residual_new = residual + grows * (tok - 1)
+        else:
+            residual_new = residual * tok
+        phases[name] = est.fsdp_buffers + accum_new + est.activations * act + residual_new
     persistent = est.persistent * s
     peak_phase = max(phases, key=phases.get)
     tensors = int(persistent + phases[peak_phase])
