@@ -11,14 +11,14 @@ Any failure here is one line, never a failed dry run.
 
 from __future__ import annotations
 
-import os
-
 MAX_ESTIMATES = 3
 GiB = 1024**3
 
 
 def dry_run_lines(argv: list[str], cfg, world: int) -> list[str]:
-    if os.environ.get("TITAN_DRY_RUN_PLAN", "1") == "0":
+    from trainer.configurable import env_value
+
+    if env_value("TITAN_DRY_RUN_PLAN", "1").strip() == "0":
         return []
     try:
         return _lines(argv, cfg, world)
@@ -36,7 +36,9 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     from planner.step_time import predict
     from planner.workload import workload_of
 
-    choice = os.environ.get("TITAN_PLAN_GPU") or "h100-sxm"
+    from trainer.configurable import env_value
+
+    choice = env_value("TITAN_PLAN_GPU") or "h100-sxm"
     hw = get_hardware(path=choice) if choice.endswith(".toml") else get_hardware(choice)
     plan = plan_of_config(cfg, world)
     w = workload_of(cfg)

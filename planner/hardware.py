@@ -11,7 +11,6 @@ Every field of a TOML entry is checked here, once; a bad or missing one is one l
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +88,10 @@ _EFF_FIELDS = [f.name for f in dataclasses.fields(Efficiency)]
 
 
 def default_calibration_file() -> Path:
-    """Where `--calibrate` stores the cpu-gloo entry (PLANNER_CALIBRATION overrides)."""
-    env = os.environ.get("PLANNER_CALIBRATION")
+    """Where `--calibrate` stores the cpu-gloo entry (TITAN_PLANNER_CALIBRATION overrides)."""
+    from trainer.configurable import env_value
+
+    env = env_value("TITAN_PLANNER_CALIBRATION")
     return Path(env) if env else Path.home() / ".cache" / "titanlite" / "cpu-gloo.toml"
 
 

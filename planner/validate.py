@@ -21,7 +21,7 @@ from pathlib import Path
 from planner.layout import Plan
 
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--data.type", "synthetic", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
+COMMON = ["--data.type", "synthetic", "--training.seq_len", "128", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
           "--training.max_skipped_steps", "0", "--validation.enable", "false"]
 LLAMA = ["--config", "llama_debug.toml", *COMMON]
 DEEPSEEK = ["--config", "deepseek_debug.toml", *COMMON]
@@ -31,27 +31,27 @@ def cases(quick: bool = False) -> list[tuple[str, list[str], Plan]]:
     """(name, base argv, plan): every layout family the issue lists, on the debug models."""
     P = Plan
     out = [
-        ("1 rank, AC none", LLAMA, P(1, 1, 1, local_batch=4, ac="none")),
-        ("1 rank, AC full", LLAMA, P(1, 1, 1, local_batch=4, ac="full")),
-        ("1 rank, AC op", LLAMA, P(1, 1, 1, local_batch=4, ac="op")),
-        ("1 rank, AC budget 0.5", LLAMA, P(1, 1, 1, local_batch=4, ac="budget", budget_fraction=0.5)),
-        ("FSDP 2", LLAMA, P(2, 1, 2, local_batch=4)),
-        ("HSDP 2 x 2", LLAMA, P(4, 2, 2, local_batch=4)),
-        ("TP 2", LLAMA, P(2, 1, 1, tp=2, local_batch=4)),
-        ("FSDP 2 x TP 2", LLAMA, P(4, 1, 2, tp=2, local_batch=4)),
-        ("PP 2 1F1B", LLAMA, P(2, 1, 1, pp=2, schedule="1F1B", local_batch=4, microbatch=1)),
-        ("PP 2 GPipe", LLAMA, P(2, 1, 1, pp=2, schedule="GPipe", local_batch=4, microbatch=1)),
+        ("1 rank, AC none", LLAMA, P(1, 1, 1, local_batch=2, ac="none")),
+        ("1 rank, AC full", LLAMA, P(1, 1, 1, local_batch=2, ac="full")),
+        ("1 rank, AC op", LLAMA, P(1, 1, 1, local_batch=2, ac="op")),
+        ("1 rank, AC budget 0.5", LLAMA, P(1, 1, 1, local_batch=2, ac="budget", budget_fraction=0.5)),
+        ("FSDP 2", LLAMA, P(2, 1, 2, local_batch=2)),
+        ("HSDP 2 x 2", LLAMA, P(4, 2, 2, local_batch=2)),
+        ("TP 2", LLAMA, P(2, 1, 1, tp=2, local_batch=2)),
+        ("FSDP 2 x TP 2", LLAMA, P(4, 1, 2, tp=2, local_batch=2)),
+        ("PP 2 1F1B", LLAMA, P(2, 1, 1, pp=2, schedule="1F1B", local_batch=2, microbatch=1)),
+        ("PP 2 GPipe", LLAMA, P(2, 1, 1, pp=2, schedule="GPipe", local_batch=2, microbatch=1)),
         ("PP 2 Interleaved1F1B", LLAMA, P(2, 1, 1, pp=2, schedule="Interleaved1F1B", stages_per_rank=2,
-                                          local_batch=4, microbatch=1)),
-        ("CP 2 allgather", LLAMA, P(2, 1, 1, cp=2, local_batch=4)),
-        ("CP 2 alltoall", LLAMA, P(2, 1, 1, cp=2, cp_method="alltoall", local_batch=4)),
-        ("EP 2 (DeepSeek)", DEEPSEEK, P(2, 1, 2, ep=2, local_batch=4)),
-        ("FSDP 8", LLAMA, P(8, 1, 8, local_batch=4)),
+                                          local_batch=2, microbatch=1)),
+        ("CP 2 allgather", LLAMA, P(2, 1, 1, cp=2, local_batch=2)),
+        ("CP 2 alltoall", LLAMA, P(2, 1, 1, cp=2, cp_method="alltoall", local_batch=2)),
+        ("EP 2 (DeepSeek)", DEEPSEEK, P(2, 1, 2, ep=2, local_batch=2)),
+        ("FSDP 8", LLAMA, P(8, 1, 8, local_batch=2)),
     ]
     return out[:6] if quick else out
 
 
-def measure_step_time(argv: list[str], plan: Plan, workdir: str, steps: int = 8, timeout: int = 900) -> float:
+def measure_step_time(argv: list[str], plan: Plan, workdir: str, steps: int = 4, timeout: int = 900) -> float:
     dump = Path(workdir) / f"run{time.monotonic_ns()}"
     cmd = ["./run_train.sh", *argv, *plan.overrides(), "--training.steps", str(steps), "--metrics.log_freq",
            str(steps // 2), "--job.dump_folder", str(dump)]
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
             t = measure_step_time(base, plan, d)
             table.append((name, plan, st.step_s, t, mem.tensors, measured_mem.get(name)))
             print(f"  {name}: predicted {st.step_s:.3f} s, measured {t:.3f} s", flush=True)
-    print(f"\nCPU validation on {hw.note}; debug models, seq 256, fp32; the machine is shared, so the measured "
+    print(f"\nCPU validation on {hw.note}; debug models, seq 128 x local batch 2, fp32; the machine is shared, so the measured "
           "times carry its load.\n")
     print("| layout | ranks | step s predicted | measured | error | memory MiB predicted | measured | error |")
     print("|---|---|---|---|---|---|---|---|")
