@@ -42,13 +42,15 @@ def _plan(argv, capsys):
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_small_search_writes_a_config_that_the_dry_run_accepts(tmp_path, capsys):
     best = tmp_path / "best.toml"
     rc, out, err = _plan([*DEBUG, "--gpus", "2", "--hardware", _hw(tmp_path), "--global-batch-tokens", "1024",
-                          "--ac", "none,full", "--top", "4", "--explain", "1", "--write", str(best)], capsys)
+                          "--ac", "full", "--compile", "off", "--top", "3", "--explain", "1", "--write", str(best)],
+                         capsys)
     assert rc == 0, err
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert 2 <= len(rows) <= 4
+    assert 2 <= len(rows) <= 3
     steps = [float(r.split("|")[8]) for r in rows]
     assert steps == sorted(steps)  # ranked by predicted step time
     mem = [float(r.split("|")[5].split()[0].lstrip("~")) for r in rows]
