@@ -144,9 +144,24 @@ def run(opts: dict, rest: list[str]) -> int:
               f"(planner: {results[chosen - 1].memory.total / GiB:.2f} GiB)")
     if opts["write"]:
         base_file = cfg.job.config_file
-        report.write_config(opts["write"], results[chosen - 1].plan, base_file, {"training": {"seq_len": seq}})
+        extra = user_overrides(rest)
+        extra.setdefault("training", {})["seq_len"] = seq
+        report.write_config(opts["write"], results[chosen - 1].plan, base_file, extra)
         print(f"\nwrote plan {chosen} to {opts['write']}: NGPU={world} ./run_train.sh --config {opts['write']}")
     return 0
+
+
+def user_overrides(rest: list[str]) -> dict[str, dict]:
+    """The user's `--section.key value` overrides (not --config), for the written TOML, typed as
+    the config loader types them."""
+    from planner.report import _parse
+    from trainer.config import _parse_cli
+
+    out: dict[str, dict] = {}
+    for section, key, value in _parse_cli(rest):
+        if (section, key) != ("job", "config_file"):
+            out.setdefault(section, {})[key] = _parse(value) if isinstance(value, str) else value
+    return out
 
 
 def no_fit_line(search, w, hw, world, seq, tokens, opts) -> str:

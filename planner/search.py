@@ -92,7 +92,6 @@ class Search:
     def skeletons(self):
         W, gpn, w, sp = self.world, self.hw.gpus_per_node, self.w, self.space
         moe = bool(w.moe_layers)
-        n_experts = max((e for e in w.layer_experts), default=0)
         fx = sp.fixed
         for tp in _pow2_upto(min(gpn, W)):
             for cp in _pow2_upto(W // tp):
@@ -124,7 +123,6 @@ class Search:
                                                if k in ("tp", "cp", "pp", "ep", "dp_replicate", "dp_shard",
                                                         "cp_method", "schedule", "stages_per_rank", "microbatch")):
                                             yield plan
-        del n_experts
 
     def options(self, skel: Plan):
         sp = self.space
