@@ -73,6 +73,9 @@ def _predict(config: str, plan_fields: dict, gpu: str, seq: int, extra: list[str
     hw = KNOWN[gpu]
     fields = dict(dp_replicate=1, **plan_fields)
     plan = Plan(**fields)
+    from trainer.preflight import layout_for
+
+    layout_for(load_config(argv + plan.overrides(), world_size=plan.world), plan.world)  # the trainer's checks
     st = predict(plan, workload_of(cfg), hw, seq)
     mem = MemoryModel(argv, "cuda", hw.gpus_per_node).of(plan)
     return plan, st, mem, hw
@@ -113,9 +116,9 @@ def bench_h100() -> None:
          dict(world=8, dp_shard=8, ep=8, local_batch=4, ac="op"), "h100-sxm"),
     ]
     for world in (256, 512, 1024):
-        cases.append((f"DeepSeek V3 671B, {world} GPUs (its config: PP 8 I1F1B, EP 64)", "deepseek_v3_671b.toml", 4096,
+        cases.append((f"DeepSeek V3 671B, {world} GPUs (its config: PP 8 I1F1B, EP {min(64, world // 8)})", "deepseek_v3_671b.toml", 4096,
                       dict(world=world, dp_shard=world // 8, pp=8, schedule="Interleaved1F1B", stages_per_rank=2,
-                           ep=64, local_batch=8, microbatch=1, ac="full"), "h100-sxm"))
+                           ep=min(64, world // 8), local_batch=8, microbatch=1, ac="full"), "h100-sxm"))
     for name, config, seq, fields, gpu in cases:
         try:
             plan, st, mem, hw = _predict(config, fields, gpu, seq)
