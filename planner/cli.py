@@ -18,6 +18,7 @@ the base config before the search sets the layout):
   --ac MODES               AC modes to search, comma-separated from none,op,full,budget (default all)
   --compile on|off|both    (default both on GPUs, off on CPU)
   --float8 on|off|both     (default both where the GPU has fp8)
+  --max-estimates N        stop the search before the memory estimator runs more than N times
   --verify                 re-run the exact estimator on plan 1's own layout and print both numbers
   --calibrate              measure this machine (matmul, attention, memory, gloo) into the cpu-gloo entry
   --calibration-file F     where the cpu-gloo entry lives (default ~/.cache/titanlite/cpu-gloo.toml)
@@ -33,9 +34,9 @@ from trainer.configurable import ConfigError
 
 _VALUE = {"--gpus": "gpus", "--gpu": "gpu", "--hardware": "hardware", "--seq-len": "seq", "--global-batch-tokens":
           "tokens", "--top": "top", "--explain": "explain", "--write": "write", "--ac": "ac", "--compile": "compile",
-          "--float8": "float8", "--calibration-file": "calibration"}
+          "--float8": "float8", "--calibration-file": "calibration", "--max-estimates": "max_estimates"}
 _FLAG = {"--calibrate": "calibrate", "--verify": "verify", "--help": "help", "-h": "help"}
-_INT = ("gpus", "seq", "tokens", "top", "explain")
+_INT = ("gpus", "seq", "tokens", "top", "explain", "max_estimates")
 NEUTRAL = ["--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "-1",
            "--parallelism.tensor_parallel_degree", "1", "--parallelism.context_parallel_degree", "1",
            "--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
@@ -47,7 +48,7 @@ NEUTRAL = ["--parallelism.data_parallel_replicate_degree", "1", "--parallelism.d
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
     opts: dict = {"gpus": None, "gpu": None, "hardware": None, "seq": None, "tokens": None, "top": 10,
                   "explain": None, "write": None, "ac": None, "compile": None, "float8": None, "calibration": None,
-                  "calibrate": False, "verify": False, "help": False}
+                  "calibrate": False, "verify": False, "help": False, "max_estimates": None}
     rest, i = [], 0
     while i < len(argv):
         key, eq, inline = argv[i].partition("=")
@@ -120,7 +121,8 @@ def run(opts: dict, rest: list[str]) -> int:
     t0 = time.perf_counter()
     w = workload_of(cfg)
     memory = MemoryModel(base_argv, hw.device, hw.gpus_per_node)
-    search = Search(cfg, base_argv, w, hw, world, seq, tokens // seq, space_for(opts, hw), memory)
+    search = Search(cfg, base_argv, w, hw, world, seq, tokens // seq, space_for(opts, hw), memory,
+                    max_estimates=opts["max_estimates"])
     results = search.run(max(opts["top"], opts["explain"] or 1))
     elapsed = time.perf_counter() - t0
     capacity = search.capacity
@@ -130,7 +132,9 @@ def run(opts: dict, rest: list[str]) -> int:
     title = (f"plans for {w.name} on {world} x {hw.name} ({hw.hbm_gib:g} GiB), seq {seq}, {tokens:,} tokens per "
              f"step: {st.skeletons} layouts, {st.visited} searched, {st.options_tried} options checked; "
              f"{memory.calls} estimator runs, {memory.hits} cache hits; {elapsed:.1f} s\n"
-             "(~: memory read off a cached estimate of the same local shapes; see --explain)")
+             "(~: memory read off a cached estimate of the same local shapes; see --explain)"
+             + (f"\nstopped at --max-estimates {opts['max_estimates']}: faster plans may be missing"
+                if search.truncated else ""))
     print(report.table(results[:opts["top"]], capacity, title))
     chosen = opts["explain"] or 1
     if chosen > len(results):

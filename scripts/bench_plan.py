@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Planner benchmarks and validation tables (docs/planner.md quotes their output).
 
-  python scripts/bench_plan.py search     # search time: Llama 3.1 8B on 8 and DeepSeek V3 671B on 1,024 H100
+  python scripts/bench_plan.py search [--max-estimates N]   # search time: Llama 3.1 8B on 8 and
+                                          # DeepSeek V3 671B on 1,024 H100 (N bounds the 671B search)
   python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
   python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
@@ -40,7 +41,7 @@ def bench_search() -> None:
     cases = [["--config", "llama8b.toml", "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "8192",
               "--global-batch-tokens", "131072", "--top", "5"],
              ["--config", "deepseek_v3_671b.toml", "--gpus", "1024", "--gpu", "h100-sxm", "--seq-len", "4096",
-              "--global-batch-tokens", str(4096 * 1024 * 4), "--top", "5"]]
+              "--global-batch-tokens", str(4096 * 1024 * 4), "--top", "5", *sys.argv[2:]]]
     print("| search | wall s | CPU s (this process) | first lines |\n|---|---|---|---|")
     for argv in cases:
         text, wall, cpu = _search(argv)
