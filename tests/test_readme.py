@@ -62,6 +62,11 @@ README_COMMANDS = {
         ("skip", "a benchmark (minutes); its modes are tested in tests/test_activation_checkpoint.py"),
     "python scripts/bench_data.py": ("skip", "a benchmark; the data path is tested in tests/test_data*.py"),
     "./run_train.sh --config deepseek_v3_671b.toml --dry-run": ("run", ""),
+    "python scripts/plan.py --config llama8b.toml --gpus 8 --gpu h100-sxm --seq-len 8192 --global-batch-tokens 131072":
+        ("skip", "a search over the 8B model (minutes on 2 cores); tests/test_planner.py runs a small search end "
+                 "to end"),
+    "python scripts/plan.py --calibrate": ("skip", "measures this machine (a benchmark); the planner's CPU path is "
+                                                   "tested in tests/test_planner.py"),
     # Starting from published weights: every command needs an HF folder under /models.
     "./run_train.sh --config llama8b_from_hf.toml": ("skip", _NEEDS_HF),
     "./run_train.sh --config deepseek_v3_671b.toml --model.hf_path /models/DeepSeek-V3 --model.mtp_depth 1":

@@ -218,6 +218,12 @@ ENV_KNOBS: dict[str, str] = {
                             "step on): a straggler.",
     "TITAN_TOKENIZE_KILL": "test hook: <point>[:<n>] SIGKILLs scripts/tokenize_data.py at the n-th pass of that "
                            "point (see trainer/data/pretokenize.py).",
+    "TITAN_DRY_RUN_PLAN": "0 turns off the planner's lines in `--dry-run` (the predicted speed and memory of the "
+                          "config's layout, and a faster layout that fits); the test suite sets it.",
+    "TITAN_PLAN_GPU": "the GPU the dry run's planner lines predict for: a name from scripts/plan.py's table "
+                      "(default h100-sxm) or a hardware TOML file.",
+    "TITAN_PLANNER_CALIBRATION": "where `scripts/plan.py --calibrate` stores the measured cpu-gloo entry "
+                                 "(default ~/.cache/titanlite/cpu-gloo.toml).",
     "NGPU / NPROC, LOG_RANK, CONFIG_FILE, TORCHRUN": "run_train.sh: processes, ranks shown, default config, launcher.",
 }
 

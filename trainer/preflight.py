@@ -142,6 +142,10 @@ def dry_run(argv: list[str]) -> int:
     dims = layout_for(cfg, world)
     print_model_summary(cfg)
     print(describe_layout(dims, source), flush=True)
+    from planner.dry_run import dry_run_lines  # planner imports trainer: imported here, not at module load
+
+    for line in dry_run_lines(argv, cfg, world):
+        print(line, flush=True)
     return 0
 
 

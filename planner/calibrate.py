@@ -1,0 +1,129 @@
+"""`--calibrate`: measures this machine once and stores it as the cpu-gloo hardware entry.
+
+Why measured and not looked up: a CPU's achieved matmul rate at the debug models' shapes,
+its attention rate and its gloo bandwidth between processes vary by an order of magnitude
+between machines; the CPU validation (scripts/bench_plan.py validate) predicts runs on
+this machine, so its peaks must be this machine's. Shapes are the debug models' (tokens
+1024, dim 256), fp32, with all cores (the trainer divides them among its ranks).
+Everything takes well under a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from planner.hardware import CPU_NAME, Efficiency, Hardware, default_calibration_file, hardware_toml
+
+
+def _rate(fn, work: float, min_time: float = 0.6) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_time:
+        fn()
+        n += 1
+    return work * n / (time.perf_counter() - t0)
+
+
+def measure_matmul() -> float:
+    """FLOP/s of the debug models' linear layers (forward shapes), fp32."""
+    shapes = [(1024, 256, 256), (1024, 256, 768), (1024, 768, 256), (1024, 256, 2048)]
+    rates = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        rates.append(_rate(lambda: a @ b, 2.0 * m * k * n))
+    return sum(rates) / len(rates)
+
+
+def measure_attention() -> float:
+    """FLOP/s of causal SDPA forward+backward at the debug shape (4 x 16 heads x 256 x 16)."""
+    b, h, s, d = 4, 16, 256, 16
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+    return _rate(step, 3 * 4.0 * b * h * s * s * d * 0.5)
+
+
+def measure_grouped() -> float:
+    """FLOP/s of a batched expert GEMM (8 experts x 384 rows x 256 x 256)."""
+    a, w = torch.randn(8, 384, 256), torch.randn(8, 256, 256)
+    return _rate(lambda: torch.bmm(a, w), 2.0 * 8 * 384 * 256 * 256)
+
+
+def measure_memory_bandwidth() -> float:
+    """Bytes/s of an elementwise add over 64 MiB tensors (two reads, one write)."""
+    a, b = torch.randn(16 << 20), torch.randn(16 << 20)
+    out = torch.empty_like(a)
+    return _rate(lambda: torch.add(a, b, out=out), 3.0 * a.numel() * 4)
+
+
+def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.randn(4 << 20)  # 16 MiB
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 1.0:
+        dist.all_gather(out, x)
+        n += 1
+    dt = torch.tensor([(time.perf_counter() - t0) / n])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    if rank == 0:  # bus bandwidth: each rank receives (world-1)/world of the gathered bytes
+        queue.put(x.numel() * 4 * (world - 1) / dt.item())
+    dist.destroy_process_group()
+
+
+def measure_gloo(world: int = 2) -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    bw = queue.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    return bw
+
+
+def calibrate_cpu(path=None) -> tuple[Hardware, str]:
+    """Measures, writes the cpu-gloo TOML to `path` (default: `default_calibration_file()`)
+    and returns (the entry, a report)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    t0 = time.perf_counter()
+    try:
+        mm, attn, grouped, membw = measure_matmul(), measure_attention(), measure_grouped(), measure_memory_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
+    gloo = measure_gloo()
+    with open("/proc/meminfo") as f:
+        ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
+                     hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02)
+    hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,
+                  hbm_gbs=membw / 1e9, nvlink_gbs=gloo / 1e9, gpus_per_node=64, internode_gbs=gloo / 1e9,
+                  device="cpu", cores=cores, efficiency=eff,
+                  note=f"measured by scripts/plan.py --calibrate on {cores} cores, fp32")
+    out = path or default_calibration_file()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(hardware_toml(hw))
+    report = (f"calibrated {CPU_NAME} in {time.perf_counter() - t0:.1f} s on {cores} cores (fp32): matmul "
+              f"{mm / 1e9:.1f} GFLOP/s, attention {attn / 1e9:.1f} GFLOP/s ({attn / mm:.0%}), grouped GEMM "
+              f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s; "
+              f"written to {out}")
+    return hw, report

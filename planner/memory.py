@@ -1,0 +1,171 @@
+"""Per-rank memory of a plan, from the project's exact estimator (trainer/memory/), cached.
+
+Why cached and scaled: the estimator lays one rank out through the trainer's assembly
+path on fake tensors, which takes 0.5 s for an 8B model and several seconds for 671B
+with PP (every PP rank is assembled). A search visits thousands of plans, but only a few
+distinct *local shapes*. So the estimator runs once per structural key (tp, cp and its
+method, pp with its schedule and stages, ep, AC, chunked CE, HSDP or not) on the smallest
+world with those degrees and the smallest microbatch, and a plan is then read off it:
+
+- parameters, gradients and AdamW states are sharded over dp_shard (x cp, x tp for
+  experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding);
+- what the blocks keep for backward, the loss peak and a block's backward transient are
+  linear in the microbatch's tokens; under PP the kept activations also scale with the
+  schedule's in-flight stage-microbatches (`_in_flight_units`, the estimator's own rule);
+- FSDP's gathered buffers do not change; accumulated gradients are held when the plan
+  accumulates (PP or gradient accumulation);
+- the GPU terms (CUDA context, NCCL buffers, EP imbalance) come from the estimator
+  (`trainer/memory/device_overhead.py`); the allocator's margin is re-taken on the
+  scaled peak.
+
+A plan whose dp_shard and microbatch equal the reference's is the estimator's exact
+number (`PlanMemory.exact`); `--verify` re-runs the estimator on the chosen plan itself.
+float8 and compile are counted as eager bf16 (the estimator's convention; both keep less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from planner.layout import Plan
+
+
+@dataclass
+class PlanMemory:
+    total: int  # bytes that must fit per rank (tensors + device terms on CUDA)
+    tensors: int  # the tensor peak (params + optimizer + the largest step phase)
+    persistent: int
+    activations: int
+    peak_phase: str
+    device_terms: int
+    exact: bool  # the estimator ran on this very plan (no scaling)
+    reference: object = None  # the MemoryEstimate it was read from
+
+
+def structural_key(plan: Plan) -> tuple:
+    return (plan.tp, plan.cp, plan.cp_method if plan.cp > 1 else "", plan.pp,
+            _schedule_class(plan), plan.stages_per_rank, plan.ep, plan.ac,
+            plan.budget_fraction if plan.ac == "budget" else None, plan.chunked_ce, plan.dp_replicate > 1,
+            plan.dp_shard > 1)
+
+
+def _schedule_class(plan: Plan) -> str:
+    """Schedules with the same stage placement share a reference (their in-flight counts are
+    scaled): "V" schedules put the first and the last stage on PP rank 0, the others loop."""
+    from parallelisms.parallel_dims import V_SCHEDULES
+
+    if plan.pp == 1:
+        return ""
+    return "V" if plan.schedule in V_SCHEDULES else "loop"
+
+
+def reference_plan(plan: Plan) -> Plan:
+    """The smallest plan with the same local shapes except dp_shard and the microbatch."""
+    d0 = plan.dp_shard
+    for d in range(1, plan.dp_shard + 1):
+        if plan.dp_shard % d == 0 and (d > 1 or plan.dp_shard == 1) and (d * plan.cp * plan.tp) % plan.ep == 0:
+            d0 = d
+            break
+    rep = 2 if plan.dp_replicate > 1 else 1
+    if plan.pp > 1:
+        from parallelisms.parallel_dims import check_pipeline_layout  # noqa: F401 (the rule below is its minimum)
+
+        need = {"1F1B": plan.pp, "Interleaved1F1B": plan.pp, "InterleavedZeroBubble": plan.pp,
+                "ZBVZeroBubble": plan.pp, "DualPipeV": plan.pp * plan.stages_per_rank}.get(plan.schedule, 1)
+        mb, lb = 1, need
+    else:
+        mb, lb = 1, 1
+    world = rep * d0 * plan.cp * plan.tp * plan.pp
+    return dataclasses.replace(plan, world=world, dp_replicate=rep, dp_shard=d0, microbatch=mb, local_batch=lb,
+                               grad_accum=1, float8=False, compile=False)
+
+
+class MemoryModel:
+    """Plans -> `PlanMemory`, with one estimator run per structural key."""
+
+    def __init__(self, base_argv: list[str], device: str, gpus_per_node: int, overheads=None):
+        self.base_argv, self.device, self.gpn, self.overheads = list(base_argv), device, gpus_per_node, overheads
+        self.cache: dict = {}
+        self.calls = 0
+        self.hits = 0
+        self.seconds = 0.0
+
+    def config_for(self, plan: Plan):
+        from trainer.config import load_config
+
+        return load_config(self.base_argv + plan.overrides(), world_size=plan.world)
+
+    def estimate_exact(self, plan: Plan):
+        from trainer.memory import estimate_memory
+
+        t0 = time.perf_counter()
+        cfg = self.config_for(plan)
+        est = estimate_memory(cfg, plan.world, device=self.device, gpus_per_node=self.gpn,
+                              overheads=self.overheads)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return est
+
+    def reference(self, plan: Plan):
+        """(reference plan, its estimate, the estimate at twice its microbatch): two points,
+        because a block's backward transient and the loss peak have parts that do not grow
+        with the tokens (gradient buffers of the block, the head's weight gradient)."""
+        key = structural_key(plan)
+        if key in self.cache:
+            self.hits += 1
+        else:
+            ref = reference_plan(plan)
+            double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
+            self.cache[key] = (ref, self.estimate_exact(ref), self.estimate_exact(double))
+        return self.cache[key]
+
+    def cached(self, plan: Plan) -> bool:
+        return structural_key(plan) in self.cache
+
+    def of(self, plan: Plan) -> PlanMemory:
+        ref_plan, est, est2 = self.reference(plan)
+        return scale(est, ref_plan, plan, est2)
+
+
+def _units(plan: Plan) -> int:
+    from trainer.memory.estimate import _in_flight_units
+
+    n_mb = plan.local_batch // plan.microbatch if plan.pp > 1 else 1
+    return _in_flight_units(plan.schedule, plan.pp, plan.stages_per_rank, n_mb)
+
+
+def scale(est, ref: Plan, plan: Plan, est2=None) -> PlanMemory:
+    """Reads `plan`'s memory off the estimate `est` of its reference plan `ref` (module doc);
+    `est2`, the estimate at twice the reference's microbatch, splits each phase's non-activation
+    part into what grows with the tokens and what does not (without it: all of it grows).
+    The two references have the same in-flight count and the same sharding."""
+    s = ref.dp_shard / plan.dp_shard
+    tok = plan.samples_per_microbatch / ref.samples_per_microbatch
+    act = tok * _units(plan) / _units(ref)
+    accum_ref = est.grads if (ref.grad_accum > 1 or ref.pp > 1) else 0
+    accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
+    phases = {}
+    for name, v in est.phases.items():
+        if name == "optimizer step":
+            phases[name] = v * s
+            continue
+        residual = v - est.fsdp_buffers - accum_ref - est.activations
+        if est2 is not None:
+            residual2 = est2.phases[name] - est2.fsdp_buffers - accum_ref - est2.activations
+            grows = residual2 - residual  # per reference microbatch of tokens
+            residual_new = residual + grows * (tok - 1)
+        else:
+            residual_new = residual * tok
+        phases[name] = est.fsdp_buffers + accum_new + est.activations * act + residual_new
+    persistent = est.persistent * s
+    peak_phase = max(phases, key=phases.get)
+    tensors = int(persistent + phases[peak_phase])
+    terms = 0
+    for name, v in est.device_terms.items():
+        terms += v * (tensors / max(1, est.total)) if name.startswith("allocator") else v
+    exact = s == 1 and tok == 1 and act == 1 and accum_new == accum_ref
+    return PlanMemory(total=int(tensors + terms), tensors=tensors, persistent=int(persistent),
+                      activations=int(est.activations * act), peak_phase=peak_phase, device_terms=int(terms),
+                      exact=exact, reference=est)

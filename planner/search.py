@@ -1,0 +1,318 @@
+"""The search: enumerate layouts, prune with the project's validators, rank by predicted time.
+
+Why branch and bound: the space (dp_replicate, dp_shard, tp, cp and its method, ep, pp
+with schedule, microbatch and stages per rank, local batch, AC mode and budget, chunked
+CE, float8, compile) has millions of points for a 671B model on 1,024 GPUs, and the exact
+memory estimate costs seconds. A *skeleton* (the degrees) has an optimistic time (largest
+local batch, no recompute, compile and float8 where they help) that bounds every option
+under it. Skeletons are walked fastest first; within one, options are tried in predicted
+time order and the first that passes the validators and fits is its plan (every other
+option of that skeleton is slower). The walk stops when the next skeleton's bound is
+slower than the top-N plans found. Memory comes from planner/memory.py (one estimator
+run per structural key); a cheap lower bound (16 bytes per local parameter) skips
+skeletons that cannot fit before any estimate runs.
+
+Validators: `check_layout` and `ParallelDims` (the config checks) prune each candidate,
+and every plan returned has passed `load_config(...)` plus `batch_layout` on its world,
+which is what `./run_train.sh` runs before it starts a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from planner.hardware import Hardware
+from planner.layout import Plan
+from planner.memory import MemoryModel, PlanMemory
+from planner.step_time import StepTime, predict
+from planner.workload import Workload
+
+GiB = 1024**3
+PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2))
+
+
+@dataclass
+class Space:
+    """What the search may choose (the CLI narrows it)."""
+
+    ac_modes: tuple = ("none", "op", "full", "budget")
+    budgets: tuple = (0.5,)
+    compile: tuple = (False, True)
+    float8: tuple = (False, True)
+    chunked_ce: tuple = (False, True)
+    max_local_batch: int = 16
+    min_tokens_per_cp_rank: int = 4096
+    fixed: dict = field(default_factory=dict)  # plan field -> value every plan must have
+
+
+@dataclass
+class Result:
+    plan: Plan
+    time: StepTime
+    memory: PlanMemory
+
+
+@dataclass
+class SearchStats:
+    skeletons: int = 0
+    visited: int = 0
+    options_tried: int = 0
+    rejected_by_validators: int = 0
+    rejected_by_bound: int = 0
+    rejected_by_memory: int = 0
+    min_footprint: tuple | None = None  # (bytes, plan) of the smallest estimate seen
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+class Search:
+    def __init__(self, cfg, base_argv: list[str], w: Workload, hw: Hardware, world: int, seq_len: int,
+                 global_samples: int, space: Space, memory: MemoryModel, headroom: float = 0.0,
+                 max_estimates: int | None = None):
+        self.cfg, self.base_argv, self.w, self.hw = cfg, base_argv, w, hw
+        self.world, self.seq, self.samples, self.space, self.memory = world, seq_len, global_samples, space, memory
+        self.capacity = hw.hbm_gib * GiB * (1 - headroom)
+        self.esize = 4 if hw.device == "cpu" else 2
+        self.stats = SearchStats()
+        self._layout_ok: dict = {}
+        self._mem_fail: dict = {}
+        self.max_estimates = max_estimates  # stop the walk before the estimator runs more often (--dry-run)
+        self.truncated = False
+
+    # ---- enumeration ----
+    def skeletons(self):
+        W, gpn, w, sp = self.world, self.hw.gpus_per_node, self.w, self.space
+        moe = bool(w.moe_layers)
+        fx = sp.fixed
+        for tp in _pow2_upto(min(gpn, W)):
+            for cp in _pow2_upto(W // tp):
+                if cp > 1 and (self.seq % (2 * cp) or self.seq // cp < sp.min_tokens_per_cp_rank):
+                    continue
+                for method in (("allgather", "alltoall") if cp > 1 else ("allgather",)):
+                    for pp in _pow2_upto(min(W // (tp * cp), w.n_layers)):
+                        if W % (tp * cp * pp):
+                            continue
+                        dp = W // (tp * cp * pp)
+                        if self.samples % dp:
+                            continue
+                        scheds = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
+                        for sched, spr in scheds:
+                            for mb in ((1, 2) if pp > 1 else (1,)):
+                                for rep in _pow2_upto(dp):
+                                    shard = dp // rep
+                                    if rep > 1 and shard * cp * tp < gpn:  # a replica spans at least a node
+                                        continue
+                                    eps = [1]
+                                    if moe:
+                                        routed = getattr(self.cfg.model_args, "n_routed_experts", 1)
+                                        eps += [e for e in _pow2_upto(shard * cp * tp)[1:] if routed % e == 0]
+                                    for ep in eps:
+                                        plan = Plan(world=W, dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp,
+                                                    cp_method=method, pp=pp, schedule=sched, stages_per_rank=spr,
+                                                    microbatch=mb, ep=ep)
+                                        if all(getattr(plan, k) == v for k, v in fx.items()
+                                               if k in ("tp", "cp", "pp", "ep", "dp_replicate", "dp_shard",
+                                                        "cp_method", "schedule", "stages_per_rank", "microbatch")):
+                                            yield plan
+
+    def options(self, skel: Plan):
+        sp = self.space
+        per_dp = self.samples // skel.dp
+        cuda = self.hw.device == "cuda"
+        for lb in _pow2_upto(min(per_dp, sp.max_local_batch)):
+            if per_dp % lb or (skel.pp > 1 and lb % skel.microbatch):
+                continue
+            for ac in sp.ac_modes:
+                budgets = sp.budgets if ac == "budget" else (0.5,)
+                for b in budgets:
+                    for cce in sp.chunked_ce:
+                        if cce and (skel.tp > 1 or skel.pp > 1):
+                            continue
+                        for comp in sp.compile:
+                            if comp and ac == "budget":
+                                continue
+                            for f8 in sp.float8:
+                                if f8 and not (cuda and self.hw.fp8_tflops > 0):
+                                    continue
+                                p = dataclasses.replace(skel, local_batch=lb, grad_accum=per_dp // lb, ac=ac,
+                                                        budget_fraction=b, chunked_ce=cce, compile=comp, float8=f8)
+                                if all(getattr(p, k) == v for k, v in sp.fixed.items()):
+                                    yield p
+
+    # ---- checks ----
+    def layout_ok(self, plan: Plan) -> bool:
+        """`check_layout` and `ParallelDims` on the plan's degrees (cached: no dp in the key)."""
+        from parallelisms.parallel_dims import ParallelDims, check_layout
+        from trainer.configurable import ConfigError
+
+        key = (plan.tp, plan.cp, plan.cp_method, plan.pp, plan.schedule, plan.stages_per_rank, plan.microbatch,
+               plan.ep, plan.local_batch, plan.chunked_ce, plan.dp_shard, plan.dp_replicate)
+        if key not in self._layout_ok:
+            par = dataclasses.replace(
+                self.cfg.parallelism, data_parallel_replicate_degree=plan.dp_replicate,
+                data_parallel_shard_degree=plan.dp_shard, tensor_parallel_degree=plan.tp,
+                context_parallel_degree=plan.cp, context_parallel_method=plan.cp_method,
+                pipeline_parallel_degree=plan.pp, pipeline_parallel_schedule=plan.schedule,
+                pipeline_parallel_stages_per_rank=plan.stages_per_rank,
+                pipeline_parallel_microbatch_size=plan.microbatch, expert_parallel_degree=plan.ep,
+                module_fqns_per_model_part=None)
+            try:
+                check_layout(par, self.cfg.model_args, seq_len=self.seq, local_batch_size=plan.local_batch,
+                             model_spec=self.cfg.model_spec, chunked_ce=plan.chunked_ce)
+                ParallelDims.from_config(par, plan.world)
+                self._layout_ok[key] = True
+            except ConfigError:
+                self._layout_ok[key] = False
+        return self._layout_ok[key]
+
+    def accepted(self, plan: Plan) -> bool:
+        """What ./run_train.sh checks before a worker starts: the full config load on the world."""
+        from trainer.configurable import ConfigError
+        from trainer.preflight import layout_for
+
+        try:
+            layout_for(self.memory.config_for(plan), plan.world)
+        except (ConfigError, ImportError):
+            return False
+        return True
+
+    def persistent_bound(self, plan: Plan) -> float:
+        """A lower bound of the tensors per rank: 16 bytes (param, grad, 2 moments, fp32) per
+        local parameter of an average PP rank, plus FSDP's gathered parameters in the compute
+        dtype (under PP the trainer keeps a stage's units gathered: reshard_after_forward
+        default; otherwise at least one block). Routed experts are sharded over
+        dp_shard x cp x tp with EP, over dp_shard x cp without it."""
+        w = self.w
+        tp_dense = plan.tp
+        dense = (sum(w.layer_dense) + sum(w.layer_norms) + w.embedding + w.head) / tp_dense
+        expert_ranks = plan.dp_shard * plan.cp * (plan.tp if plan.ep > 1 else 1)
+        experts = sum(w.layer_experts)
+        local = (dense / (plan.dp_shard * plan.cp) + experts / expert_ranks) / plan.pp
+        gathered_stage = (dense + experts / (plan.ep if plan.ep > 1 else 1)) / plan.pp
+        fsdp = plan.dp_shard * plan.cp > 1 or plan.dp_replicate > 1
+        if not fsdp:
+            buffers = 0.0
+        elif plan.pp > 1:
+            buffers = gathered_stage * self.esize
+        else:
+            buffers = gathered_stage / self.w.n_layers * self.esize
+        return 0.97 * (16 * local + buffers)
+
+    def activation_bound(self, plan: Plan) -> float:
+        """`persistent_bound` plus what any AC mode keeps: each block's input (one hidden
+        state per token of the rank) for the microbatches a PP rank holds at once."""
+        from planner.memory import _units
+
+        rows = plan.samples_per_microbatch * self.seq / (plan.cp * (plan.tp if plan.tp > 1 else 1))
+        blocks = self.w.n_layers / plan.pp
+        per_unit = blocks / plan.stages_per_rank
+        held = _units(plan) * per_unit if plan.pp > 1 else blocks
+        return self.persistent_bound(plan) + 0.9 * rows * self.w.dim * self.esize * held
+
+    def predict(self, plan: Plan) -> StepTime:
+        return predict(plan, self.w, self.hw, self.seq, compute_bytes=self.esize)
+
+    def optimistic(self, skel: Plan) -> float:
+        per_dp = self.samples // skel.dp
+        lbs = [lb for lb in _pow2_upto(min(per_dp, self.space.max_local_batch)) if per_dp % lb == 0
+               and (skel.pp == 1 or lb % skel.microbatch == 0)]
+        if not lbs:
+            return math.inf
+        lb = lbs[-1]
+        best = math.inf
+        for comp in self.space.compile:
+            for f8 in self.space.float8:
+                p = dataclasses.replace(skel, local_batch=lb, grad_accum=per_dp // lb, ac="none", compile=comp,
+                                        float8=f8 and self.hw.fp8_tflops > 0 and self.hw.device == "cuda")
+                best = min(best, self.predict(p).step_s)
+        return best
+
+    def _dominated(self, plan: Plan) -> bool:
+        key = (dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False))
+        return plan.local_batch >= self._mem_fail.get(key, math.inf)
+
+    def fits(self, plan: Plan) -> PlanMemory | None:
+        mem = self.memory.of(plan)
+        best = self.stats.min_footprint
+        if best is None or mem.total < best[0]:
+            self.stats.min_footprint = (mem.total, plan, mem)
+        if mem.total > self.capacity:
+            key = dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False)
+            self._mem_fail[key] = min(self._mem_fail.get(key, math.inf), plan.local_batch)
+            return None
+        return mem
+
+    def frugal_fits(self, skel: Plan) -> bool:
+        """Whether the skeleton's least memory (full AC, the smallest local batch) fits: one
+        estimate that rules out all its options when it does not."""
+        opts = [p for p in self.options(skel) if p.ac == "full" and not p.compile and not p.float8]
+        opts = [p for p in opts if self.layout_ok(p)]
+        if not opts:
+            return False
+        small = min(opts, key=lambda p: (p.local_batch, not p.chunked_ce))
+        if self.activation_bound(small) > self.capacity:
+            self.stats.rejected_by_bound += 1
+            return False
+        if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
+                and not self.memory.cached(small):
+            return True  # unknown: let the options decide (the walk stops at its next estimate)
+        return self.fits(small) is not None
+
+    # ---- the walk ----
+    def run(self, top: int = 10) -> list[Result]:
+        skels = []
+        for s in self.skeletons():
+            self.stats.skeletons += 1
+            if self.persistent_bound(s) > self.capacity:
+                self.stats.rejected_by_bound += 1
+                continue
+            t = self.optimistic(s)
+            if t < math.inf:
+                skels.append((t, self.stats.skeletons, s))
+        heapq.heapify(skels)
+        results: list[Result] = []
+        while skels:
+            bound, _, skel = heapq.heappop(skels)
+            if len(results) >= top and bound >= results[top - 1].time.step_s:
+                break
+            self.stats.visited += 1
+            if not self.frugal_fits(skel):
+                continue
+            opts = sorted(((self.predict(p), p) for p in self.options(skel)), key=lambda x: x[0].step_s)
+            for st, plan in opts:
+                if len(results) >= top and st.step_s >= results[top - 1].time.step_s:
+                    break  # every later option of this skeleton is slower than the top N
+                self.stats.options_tried += 1
+                if self.activation_bound(plan) > self.capacity:
+                    self.stats.rejected_by_bound += 1
+                    continue
+                if not self.layout_ok(plan):
+                    self.stats.rejected_by_validators += 1
+                    continue
+                if self._dominated(plan):
+                    self.stats.rejected_by_memory += 1
+                    continue
+                if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
+                        and not self.memory.cached(plan):
+                    self.truncated = True
+                    return results[:top]
+                mem = self.fits(plan)
+                if mem is None:
+                    self.stats.rejected_by_memory += 1
+                    continue
+                if not self.accepted(plan):
+                    self.stats.rejected_by_validators += 1
+                    continue
+                results.append(Result(plan, st, mem))
+                results.sort(key=lambda r: r.time.step_s)
+                break
+        return results[:top]

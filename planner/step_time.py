@@ -1,0 +1,224 @@
+"""Predicted time of one optimizer step of a plan: compute, communication, bubble, recompute.
+
+Why this shape: a training engineer sizing a cluster needs to know not only how fast a
+layout is but why, so each term is a named part (`--explain N` prints them) built from
+quantities that can be checked one by one:
+
+- FLOPs per op class (dense matmul, attention, grouped GEMM) from the built model
+  (planner/workload.py), at an achieved efficiency per class and GPU;
+- elementwise work (norms, SwiGLU, RoPE, residual adds, the loss, float8 casts) as bytes
+  over HBM bandwidth; compile fuses part of it away;
+- every collective the plan issues, with its bytes per rank, over the link its group
+  crosses (mesh order pp, dp_replicate, dp_shard, cp, tp: a group stays in a node when
+  its span fits), and whether it overlaps compute (FSDP, HSDP and PP traffic is
+  prefetched; TP, CP and EP traffic sits on the critical path);
+- the schedule's pipeline bubble, and the recompute of the chosen AC mode.
+
+The calibration parameters are `hardware.Efficiency` (eight numbers per GPU type), all in
+docs/planner.md with where they come from. Nothing else is fitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.hardware import Hardware
+from planner.layout import Plan
+from planner.workload import Workload
+
+# Forward recompute under each AC mode, as a share of the blocks' forward (matmul, attention)
+# and of their forward elementwise traffic. full: the whole forward (early stop ignored);
+# op: every other matmul, attention kept, all elementwise; budget f: (1-f)^2 of the FLOPs
+# (the budget keeps the outputs that save the most FLOPs per byte first), (1-f) of the rest.
+def recompute_shares(plan: Plan) -> tuple[float, float, float]:
+    """(matmul share, attention share, elementwise share) of a forward recomputed."""
+    if plan.ac == "full":
+        return 1.0, 1.0, 1.0
+    if plan.ac == "op":
+        return 0.5, 0.0, 1.0
+    if plan.ac == "budget":
+        f = plan.budget_fraction
+        return (1 - f) ** 2, (1 - f) ** 2, 1 - f
+    return 0.0, 0.0, 0.0
+
+
+def bubble_fraction(plan: Plan) -> float:
+    """Idle share of a PP rank relative to its work, per schedule (n microbatches, v stages per rank)."""
+    if plan.pp == 1:
+        return 0.0
+    p, n, v = plan.pp, plan.n_microbatches, plan.stages_per_rank
+    return {"GPipe": (p - 1) / n, "1F1B": (p - 1) / n, "Interleaved1F1B": (p - 1) / (n * v),
+            "LoopedBFS": (p - 1) / (n * v), "InterleavedZeroBubble": (p - 1) / (3 * n * v),
+            "ZBVZeroBubble": (p - 1) / (3 * n * v), "DualPipeV": (p - 1) / (2 * n * v)}[plan.schedule]
+
+
+@dataclass
+class Collective:
+    name: str
+    bytes: float  # per rank per step, on the wire (ring: (g-1)/g of the tensor)
+    group: int
+    link: str  # "in-node" or "inter-node"
+    seconds: float
+    overlapped: bool
+
+
+@dataclass
+class StepTime:
+    plan: Plan
+    parts: dict  # name -> seconds (sum = step)
+    collectives: list = field(default_factory=list)
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_s / self.plan.world
+
+    @property
+    def mfu(self) -> float:
+        return self.flops_per_token * self.tokens_per_s_per_gpu / self.peak_flops
+
+    @property
+    def bottleneck(self) -> str:
+        groups = {"compute": self.parts["matmul"] + self.parts["attention"] + self.parts["grouped GEMM"]
+                  + self.parts["elementwise"],
+                  "exposed comm": self.parts["exposed comm (TP/CP/EP)"] + self.parts["exposed comm (FSDP/HSDP/PP)"],
+                  "bubble": self.parts["pipeline bubble"], "recompute": self.parts["recompute"],
+                  "optimizer+overhead": self.parts["optimizer step"] + self.parts["fixed overhead"]}
+        if groups["compute"] >= 0.6 * self.step_s:
+            return "compute"
+        return max((k for k in groups if k != "compute"), key=groups.get)
+
+
+def _link(span: int, hw: Hardware) -> tuple[str, float]:
+    if span <= hw.gpus_per_node:
+        return "in-node", hw.nvlink_gbs * 1e9
+    return "inter-node", hw.internode_gbs * 1e9
+
+
+def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_bytes: int = 2) -> StepTime:
+    """The predicted step of `plan` for workload `w` at `seq_len` on `hw`. `compute_bytes`:
+    the activation / gathered-parameter element size (2 for bf16 on GPUs, 4 for fp32 on CPU)."""
+    eff = hw.efficiency
+    esize = compute_bytes
+    peak = hw.bf16_tflops * 1e12
+    if hw.device == "cpu" and hw.cores:  # the ranks of a node share its cores (OMP threads = cores / ranks)
+        peak *= 1.0 / min(plan.world, hw.gpus_per_node)
+    hbm = hw.hbm_gbs * 1e9 * eff.hbm
+    if hw.device == "cpu" and hw.cores:
+        hbm *= 1.0 / min(plan.world, hw.gpus_per_node)
+    tp, cp, pp, ep = plan.tp, plan.cp, plan.pp, plan.ep
+    shard = cp * tp  # ranks that split one microbatch's work
+    n_mb = plan.n_microbatches
+    tokens_mb = plan.samples_per_microbatch * seq_len  # one microbatch of one data-parallel rank
+    tok = n_mb * tokens_mb / shard  # this rank's share of the tokens it processes per step
+    # The busiest PP rank: an even share of the blocks (rounded up to whole stages) and the head.
+    stages = pp * plan.stages_per_rank
+    per_stage = math.ceil(w.n_layers / stages)
+    layer_share = min(1.0, per_stage * plan.stages_per_rank / w.n_layers)
+    layers = range(w.n_layers)
+
+    def share(total: float) -> float:
+        return total * layer_share
+
+    mm_flops = tok * (share(w.matmul_flops_per_token(layers)) + 6.0 * w.head)
+    attn_flops = tok * share(w.attention_flops_per_token(layers, seq_len))
+    grouped_flops = tok * share(w.grouped_flops_per_token(layers))
+    fp8_ok = plan.float8 and hw.fp8_tflops > 0
+    mm_peak = (hw.fp8_tflops if fp8_ok else hw.bf16_tflops) * 1e12 * (peak / (hw.bf16_tflops * 1e12))
+    head_s = tok * 6.0 * w.head / (peak * eff.matmul)
+    t_mm = (mm_flops - tok * 6.0 * w.head) / (mm_peak * (eff.float8_matmul if fp8_ok else eff.matmul)) + head_s
+    t_attn = attn_flops / (peak * eff.attention)
+    t_grouped = grouped_flops / (peak * eff.grouped_gemm)
+
+    # elementwise bytes per token per block, forward: 2 norms (r+w), 2 residual adds (2r+w),
+    # RoPE on q and k (r+w), SwiGLU (2r+w of the hidden); backward about twice that.
+    L = w.n_layers * layer_share
+    fwd_ew = esize * (4 * w.dim + 6 * w.dim + 2 * w.qkvo_width // 2 + 3 * w.ffn_hidden)
+    ew_bytes = tok * L * 3 * fwd_ew
+    loss_shards = tp if tp > 1 else 1
+    ew_bytes += n_mb * tokens_mb / cp * w.vocab * 4 * 6 / loss_shards  # fp32 logits: softmax fwd+bwd
+    if fp8_ok:  # dynamic scaling: amax + cast of every linear's inputs (fwd) and output grads (bwd)
+        ew_bytes += tok * L * 9 * (6 * w.dim + w.ffn_hidden)
+    ew_scale = eff.compile_elementwise if plan.compile else 1.0
+    t_ew = ew_bytes * ew_scale / hbm
+
+    rm, ra, re = recompute_shares(plan)
+    t_recompute = (rm * (t_mm - head_s) / 3 + ra * t_attn / 3 + rm * t_grouped / 3
+                   + re * tok * L * fwd_ew * ew_scale / hbm)
+    compute = t_mm + t_attn + t_grouped + t_ew
+
+    # ---- collectives ----
+    colls: list[Collective] = []
+
+    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool) -> None:
+        if group <= 1 or nbytes <= 0:
+            return
+        link, bw = _link(span, hw)
+        colls.append(Collective(name, nbytes, group, link, nbytes / (bw * eff.link), overlapped))
+
+    stage_params = share(sum(w.layer_dense) + sum(w.layer_norms)) + w.head + w.embedding / max(1, pp)
+    stage_experts = share(sum(w.layer_experts))
+    fsdp = plan.dp_shard * cp
+    dense_unit = stage_params / tp  # gathered bytes per all-gather of the rank's dense params
+    expert_unit = stage_experts / ep  # routed experts: split over EP; not TP-sharded
+    efsdp = plan.dp_shard * cp * tp // ep if ep > 1 else fsdp
+    gathers = (1 if pp > 1 else 2) * (1 if pp > 1 else n_mb)  # PP keeps params gathered (reshard never)
+    reduces = 1 if pp > 1 else n_mb
+    span_fsdp = plan.dp_shard * cp * tp
+    g8 = esize  # bf16 gathers (the float8 all-gather is not searched)
+    add("FSDP all-gather", gathers * (dense_unit * g8 * (fsdp - 1) / fsdp), fsdp, span_fsdp, True)
+    add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True)
+    if stage_experts:
+        add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True)
+        add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True)
+    r = plan.dp_replicate
+    if r > 1:
+        shard_bytes = 4 * (dense_unit / fsdp + (expert_unit / efsdp if stage_experts else 0))
+        add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True)
+    act = tokens_mb / cp * w.dim * esize  # one microbatch's hidden states on a CP rank (full over TP)
+    n_blocks = L
+    if tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, forward and backward
+        per = 8 + (4 if plan.ac == "full" else 2 if plan.ac in ("op", "budget") else 0)
+        add("TP/SP all-gather+reduce-scatter", n_mb * n_blocks * per * act * (tp - 1) / tp, tp, tp, False)
+    if cp > 1:
+        if plan.cp_method == "allgather":  # K/V gathered forward, their grads reduce-scattered backward
+            kv = tokens_mb * w.kv_width / tp * esize
+            per = 3 + (1 if plan.ac == "full" else 0)
+            add("CP K/V all-gather", n_mb * n_blocks * per * kv * (cp - 1) / cp, cp, cp * tp, False)
+        else:  # Ulysses: q, k, v in and the output back, forward and backward
+            qkvo = tokens_mb / cp * w.qkvo_width / tp * esize
+            per = 2 + (1 if plan.ac == "full" else 0)
+            add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False)
+    if ep > 1 and w.moe_layers:
+        moe_blocks = w.moe_layers * layer_share
+        rows = tokens_mb / shard * w.top_k * w.dim * esize  # routed rows this rank sends per MoE layer
+        per = 4 + (2 if plan.ac == "full" else 0)
+        add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False)
+    if pp > 1:
+        sends = n_mb * plan.stages_per_rank * 2 * act / (tp if tp > 1 else 1)
+        add("PP send/recv", sends, 2, plan.world, True)
+
+    serial = sum(c.seconds for c in colls if not c.overlapped)
+    overlappable = sum(c.seconds for c in colls if c.overlapped)
+    first_unit = 0.0
+    if fsdp > 1:
+        per_block_gather = next((c.seconds for c in colls if c.name == "FSDP all-gather"), 0.0) / max(1.0, L * gathers)
+        first_unit = per_block_gather * (1 if pp > 1 else n_mb)
+    exposed_overlap = max(0.0, overlappable - eff.overlap * (compute + t_recompute)) + first_unit
+    busy = compute + t_recompute + serial
+    t_bubble = bubble_fraction(plan) * busy
+    local_params = (stage_params / tp / fsdp + (expert_unit / efsdp if stage_experts else 0))
+    t_opt = local_params * 28 / hbm  # AdamW: read param, grad, 2 moments; write param, 2 moments (fp32)
+    parts = {"matmul": t_mm, "attention": t_attn, "grouped GEMM": t_grouped, "elementwise": t_ew,
+             "recompute": t_recompute, "exposed comm (TP/CP/EP)": serial,
+             "exposed comm (FSDP/HSDP/PP)": exposed_overlap, "pipeline bubble": t_bubble,
+             "optimizer step": t_opt, "fixed overhead": eff.step_overhead_s}
+    return StepTime(plan, parts, colls, tokens_per_step=plan.global_batch * seq_len,
+                    flops_per_token=w.flops_per_token(seq_len), peak_flops=hw.bf16_tflops * 1e12)

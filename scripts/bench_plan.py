@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Planner benchmarks and validation tables (docs/planner.md quotes their output).
+
+  python scripts/bench_plan.py search [--max-estimates N]   # search time: Llama 3.1 8B on 8 and
+                                          # DeepSeek V3 671B on 1,024 H100 (N bounds the 671B search)
+  python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
+  python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
+                                          # through ./run_train.sh (needs --calibrate first)
+
+The machine is shared: search times are wall and process CPU seconds, side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GiB = 1024**3
+
+
+def _search(argv: list[str]) -> tuple[str, float, float]:
+    import contextlib
+    import io
+
+    from planner.cli import main
+
+    buf = io.StringIO()
+    w0, c0 = time.perf_counter(), time.process_time()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    lines = buf.getvalue().splitlines()
+    return (lines[0] if lines and rc == 0 else f"exit {rc}") + ("\n" + "\n".join(lines[3:6]) if rc == 0 else ""), wall, cpu
+
+
+def bench_search() -> None:
+    cases = [["--config", "llama8b.toml", "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "8192",
+              "--global-batch-tokens", "131072", "--top", "5"],
+             ["--config", "deepseek_v3_671b.toml", "--gpus", "1024", "--gpu", "h100-sxm", "--seq-len", "4096",
+              "--global-batch-tokens", str(4096 * 1024 * 4), "--top", "5", *sys.argv[2:]]]
+    print("| search | wall s | CPU s (this process) | first lines |\n|---|---|---|---|")
+    for argv in cases:
+        text, wall, cpu = _search(argv)
+        print(f"| {' '.join(argv[:4])} | {wall:.1f} | {cpu:.1f} | {text.splitlines()[0][:160]} |")
+        print("\n".join(text.splitlines()[1:]))
+
+
+# ---- H100 -------------------------------------------------------------------------------------
+
+H100_ROWS = [  # TorchTitan's published H100 rows (the only ones the H100 efficiencies were fitted on)
+    ("Llama 3.1 8B FSDP 8, eager, seq 8192, lbs 2, op SAC", dict(world=8, dp_shard=8, local_batch=2, ac="op"), 5762, 82.4),
+    ("Llama 3.1 8B FSDP 8, compile", dict(world=8, dp_shard=8, local_batch=2, ac="op", compile=True), 6667, 77.0),
+    ("Llama 3.1 8B FSDP 128, eager", dict(world=128, dp_shard=128, local_batch=2, ac="op"), 5605, 67.0),
+    ("torchao float8 README: 8B, 8 GPUs, bs 1, SAC, compile, bf16",
+     dict(world=8, dp_shard=8, local_batch=1, ac="op", compile=True), 6150, 47.65 * 1e9 / GiB),
+]
+
+
+def _predict(config: str, plan_fields: dict, gpu: str, seq: int, extra: list[str] | None = None):
+    from planner.cli import NEUTRAL
+    from planner.hardware import KNOWN
+    from planner.layout import Plan
+    from planner.memory import MemoryModel
+    from planner.step_time import predict
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    argv = ["--config", config, *NEUTRAL, "--training.seq_len", str(seq), *(extra or [])]
+    cfg = load_config(argv)
+    hw = KNOWN[gpu]
+    fields = dict(dp_replicate=1, **plan_fields)
+    plan = Plan(**fields)
+    from trainer.preflight import layout_for
+
+    layout_for(load_config(argv + plan.overrides(), world_size=plan.world), plan.world)  # the trainer's checks
+    st = predict(plan, workload_of(cfg), hw, seq)
+    mem = MemoryModel(argv, "cuda", hw.gpus_per_node).of(plan)
+    return plan, st, mem, hw
+
+
+def bench_h100() -> None:
+    print("Calibration rows (h100-tt: TorchTitan's 500 W, 96 GB H100):\n")
+    print("| row | published tok/s/GPU | predicted | error | published GiB | predicted GiB (tensors + GPU terms) |")
+    print("|---|---|---|---|---|---|")
+    for name, fields, tps, gib in H100_ROWS:
+        plan, st, mem, _ = _predict("llama8b.toml", fields, "h100-tt", 8192)
+        print(f"| {name} | {tps:,} | {st.tokens_per_s_per_gpu:,.0f} | {st.tokens_per_s_per_gpu / tps - 1:+.1%} | "
+              f"{gib:.1f} | {mem.total / GiB:.1f} |")
+    print("\nPredictions (h100-sxm unless noted; not fitted to anything):\n")
+    print("| case | layout | AC | options | tok/s/GPU | MFU | memory GiB/rank | fits | bottleneck |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = [
+        ("8B seq 8192, 8 GPUs, float8", "llama8b.toml", 8192, dict(world=8, dp_shard=8, local_batch=2, ac="op",
+                                                                    compile=True, float8=True), "h100-sxm"),
+        ("8B seq 8192, 128 GPUs, float8", "llama8b.toml", 8192, dict(world=128, dp_shard=128, local_batch=2, ac="op",
+                                                                      compile=True, float8=True), "h100-sxm"),
+    ]
+    for seq, cp in ((32768, 2), (65536, 4), (131072, 8), (262144, 8)):
+        cases.append((f"8B seq {seq // 1024}k, 8 GPUs, CP {cp}", "llama8b.toml", seq,
+                      dict(world=8, dp_shard=8 // cp, cp=cp, local_batch=1, ac="full", compile=True), "h100-sxm"))
+    cases += [
+        ("70B, 256 GPUs, FSDP 32 x TP 8", "llama70b.toml", 8192,
+         dict(world=256, dp_shard=32, tp=8, local_batch=16, ac="full", compile=True, float8=True), "h100-sxm"),
+        ("405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B", "llama405b.toml", 8192,
+         dict(world=512, dp_shard=8, tp=8, pp=8, schedule="1F1B", local_batch=32, microbatch=1, ac="full"),
+         "h100-sxm"),
+        ("405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B", "llama405b.toml", 8192,
+         dict(world=512, dp_shard=8, tp=8, pp=8, schedule="Interleaved1F1B", stages_per_rank=2, local_batch=32,
+              microbatch=1, ac="full"), "h100-sxm"),
+        ("8B seq 8192, 32 H200", "llama8b.toml", 8192, dict(world=32, dp_shard=32, local_batch=2, ac="op",
+                                                            compile=True), "h200"),
+        ("DeepSeek V3 16B, 8 GPUs (its config: EP 8)", "deepseek_v3_16b.toml", 4096,
+         dict(world=8, dp_shard=8, ep=8, local_batch=4, ac="op"), "h100-sxm"),
+    ]
+    for world in (256, 512, 1024):
+        cases.append((f"DeepSeek V3 671B, {world} GPUs (its config: PP 8 I1F1B, EP {min(64, world // 8)})", "deepseek_v3_671b.toml", 4096,
+                      dict(world=world, dp_shard=world // 8, pp=8, schedule="Interleaved1F1B", stages_per_rank=2,
+                           ep=min(64, world // 8), local_batch=8, microbatch=1, ac="full"), "h100-sxm"))
+    for name, config, seq, fields, gpu in cases:
+        try:
+            plan, st, mem, hw = _predict(config, fields, gpu, seq)
+        except Exception as e:  # a case the validators refuse: say so in the table
+            print(f"| {name} | refused: {str(e).splitlines()[0][:120]} |||||||")
+            continue
+        fits = "yes" if mem.total <= hw.hbm_gib * GiB else "NO"
+        print(f"| {name} | {plan.layout_label()} | {plan.ac_label()} | {plan.options_label()} | "
+              f"{st.tokens_per_s_per_gpu:,.0f} | {st.mfu:.1%} | {mem.total / GiB:.1f} | {fits} | {st.bottleneck} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "search"
+    if what == "search":
+        bench_search()
+    elif what == "h100":
+        bench_h100()
+    elif what == "validate":
+        from planner.validate import main as validate_main
+
+        validate_main(sys.argv[2:])
+    else:
+        print(__doc__)
+        sys.exit(2)

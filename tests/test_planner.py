@@ -1,0 +1,140 @@
+"""The layout planner (planner/, scripts/plan.py): a small search end to end, its --write
+config through `./run_train.sh --dry-run`, the bad-input lines, the estimate cache, and the
+predicted memory of two cheap layouts against a measured step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.helpers import REPO
+
+DEBUG = ["--config", "llama_debug.toml", "--data.type", "synthetic", "--training.seq_len", "128"]
+# A CPU-like entry with fixed numbers (tests must not depend on this machine's calibration).
+HW = """name = "test-cpu"
+device = "cpu"
+cores = 2
+bf16_tflops = 0.02
+fp8_tflops = 0
+hbm_gib = {gib}
+hbm_gbs = 5
+nvlink_gbs = 0.1
+gpus_per_node = 64
+internode_gbs = 0.1
+"""
+
+
+def _hw(tmp_path, gib: float = 4.0) -> str:
+    path = tmp_path / f"hw{gib}.toml"
+    path.write_text(HW.format(gib=gib))
+    return str(path)
+
+
+def _plan(argv, capsys):
+    from planner.cli import main
+
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.slow
+def test_small_search_writes_a_config_that_the_dry_run_accepts(tmp_path, capsys):
+    best = tmp_path / "best.toml"
+    rc, out, err = _plan([*DEBUG, "--gpus", "2", "--hardware", _hw(tmp_path), "--global-batch-tokens", "1024",
+                          "--ac", "full", "--compile", "off", "--top", "3", "--explain", "1", "--write", str(best)],
+                         capsys)
+    assert rc == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert 2 <= len(rows) <= 3
+    steps = [float(r.split("|")[8]) for r in rows]
+    assert steps == sorted(steps)  # ranked by predicted step time
+    mem = [float(r.split("|")[5].split()[0].lstrip("~")) for r in rows]
+    assert all(0 < m < 4.0 for m in mem)  # every printed plan fits the 4 GiB entry
+    assert "step time, by part:" in out and "collectives per rank per step:" in out
+    written = tomllib.loads(best.read_text())
+    par = written["parallelism"]
+    world = (par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] * par["tensor_parallel_degree"]
+             * par["context_parallel_degree"] * par["pipeline_parallel_degree"])
+    assert world == 2 and written["training"]["seq_len"] == 128
+    assert written["training"]["global_batch_size"] * 128 == 1024
+    # The written file runs as is: the dry run accepts it on its world and adds the planner's lines.
+    env = {**os.environ, "NGPU": "2", "TITAN_DRY_RUN_PLAN": "1", "TITAN_PLAN_GPU": _hw(tmp_path)}
+    proc = subprocess.run(["./run_train.sh", "--config", str(best), "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layout: world size 2" in proc.stdout
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("plan: predicted on 2 x test-cpu"))
+    assert "tokens/s/GPU" in line and "GiB per rank" in line
+
+
+def test_bad_hardware_is_one_line_exit_2(tmp_path, capsys):
+    missing = tmp_path / "bad.toml"
+    missing.write_text("\n".join(l for l in HW.format(gib=4).splitlines() if not l.startswith("hbm_gbs")))
+    for extra, expect in [
+        (["--hardware", str(missing)], "missing field hbm_gbs (memory bandwidth, GB/s)"),
+        (["--hardware", "/nonexistent.toml"], "--hardware: /nonexistent.toml not found"),
+    ]:
+        rc, out, err = _plan([*DEBUG, "--gpus", "2", *extra], capsys)
+        assert rc == 2 and expect in err and err.strip().count("\n") == 0
+    # Through the script: one line on stderr, no traceback.
+    proc = subprocess.run([sys.executable, "scripts/plan.py", *DEBUG, "--gpus", "2", "--gpu", "h100-sxn"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("config error: --gpu: unknown GPU 'h100-sxn'; known: h100-sxm, h100-tt, "
+                                   "h100-pcie, h200, b200, gb200, a100, mi300x, cpu-gloo (or --hardware FILE)")
+
+
+def test_model_that_fits_nowhere_names_the_smallest_gpu_count(tmp_path, capsys):
+    # 64 MiB per GPU: the debug Llama (6.6 M params: 105 MB of params, grads and AdamW states) fits
+    # on no layout of 1 GPU; sharded over more GPUs it does.
+    rc, out, err = _plan([*DEBUG, "--gpus", "1", "--hardware", _hw(tmp_path, 0.0625), "--global-batch-tokens",
+                          "128", "--ac", "full"], capsys)
+    assert rc == 2 and out == ""
+    line = err.strip()
+    assert "\n" not in line
+    assert "fits at no layout on 1 x test-cpu (0.0625 GiB each): " in line
+    import re
+
+    found = re.search(r"; (\d+) GPUs fit \((\S+), AC full, ([\d.]+) GiB per rank\)", line)
+    assert found, line
+    assert int(found.group(1)) in (2, 4, 8, 16) and float(found.group(3)) <= 0.0625
+
+
+def test_estimates_are_cached_per_local_shape_and_scale_exactly():
+    from planner.layout import Plan
+    from planner.memory import MemoryModel
+
+    mm = MemoryModel(DEBUG, "cpu", 64)
+    small = mm.of(Plan(2, 1, 2, local_batch=2, ac="op"))
+    big = mm.of(Plan(4, 1, 4, local_batch=8, grad_accum=1, ac="op"))  # same key: dp_shard and batch differ
+    assert mm.calls == 2 and mm.hits == 1  # one key: its reference and the reference at twice the tokens
+    assert big.activations == pytest.approx(4 * small.activations, rel=1e-9)
+    exact = mm.estimate_exact(Plan(4, 1, 4, local_batch=8, ac="op"))
+    assert mm.calls == 3
+    assert big.tensors == pytest.approx(exact.total, rel=0.01)  # read off the reference vs the estimator itself
+
+
+def test_predicted_memory_matches_a_measured_step():
+    """Two 1-rank layouts whose plan memory is scaled (local batch 4) from the reference
+    estimate (local batch 1), against the measured RSS growth of a real step: within 15%."""
+    import tempfile
+
+    from planner.layout import Plan
+    from planner.memory import MemoryModel
+    from trainer.memory import ValidationCase, run_measurements
+
+    base = [*DEBUG, "--metrics.enable_tensorboard", "false", "--loss.ce_chunk_size", "128"]
+    plans = {"none": Plan(1, 1, 1, local_batch=4, ac="none"), "op": Plan(1, 1, 1, local_batch=4, ac="op")}
+    mm = MemoryModel(base, "cpu", 64)
+    with tempfile.TemporaryDirectory() as d:
+        got = run_measurements([ValidationCase(k, base + p.overrides()) for k, p in plans.items()], d, timeout=600)
+    for name, plan in plans.items():
+        predicted = mm.of(plan)
+        assert not predicted.exact
+        measured = got[name][0]["persistent_bytes"] + got[name][0]["peak_growth"]
+        assert abs(predicted.tensors / measured - 1) < 0.15, (name, predicted.tensors, measured)
