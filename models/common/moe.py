@@ -389,6 +389,32 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
     return counts
 
 
+def moe_post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True,
+                            default_coeff: float = 1e-3) -> dict[str, float]:
+    """A `ModelSpec.post_optimizer_step_fn` for MoE families, called as (model_part, ParallelDims,
+    with_metrics=whether this step is logged). Loads are summed over every rank of the pipeline
+    stage ("dp_cp_tp": data ranks route different tokens, and so do TP ranks under sequence
+    parallel; without SP the TP ranks count the same tokens, a uniform factor the sign-based
+    update ignores), so every replica of a layer applies the same bias update, at the rate
+    `model.args.load_balance_coeff` (`default_coeff` for a model without it; 0 leaves the bias
+    at zero). Returns the step's expert-load metrics (`expert_load_metrics`), computed before
+    the counters are zeroed."""
+    coeff = getattr(getattr(model, "args", None), "load_balance_coeff", default_coeff)
+    group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
+    counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
+    return expert_load_metrics(moe_layer_ids(model), counts) if with_metrics else {}
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Routed-expert parameters a token does not visit, over an unsharded (meta) model:
+    (E - top_k) experts' w1, w2, w3 per MoE layer. Total minus this is the activated count."""
+    inactive = 0
+    for m in _moe_layers(model):
+        per_expert = sum(w[0].numel() for w in (m.experts.w1, m.experts.w2, m.experts.w3))
+        inactive += (m.num_experts - m.top_k) * per_expert
+    return inactive
+
+
 def set_aux_loss_sequences(model: nn.Module | Iterable[nn.Module], sequences_per_step: int) -> None:
     """Normalises every MoE layer's balance loss by the number of sequences in one optimizer
     step over all data-parallel ranks (the global batch), so that its gradient is that of
