@@ -335,8 +335,11 @@ class MoE(nn.Module):
         if self.args.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
             # "batch" treats the forward's tokens as one sequence: [N, K] ids -> 1 x (N * K) picks.
+            # Its share is that of every sequence the data ranks route together (the count
+            # reduce's batch slices: other data ranks' sequences), as one global-batch loss.
             per_batch = self.args.aux_loss_scope == "batch"
-            aux = (self.args.aux_loss_coeff * scale * (bsz if per_batch else 1)) * sequence_balance_loss(
+            batch_seqs = bsz * getattr(self.aux_loss_count_reduce, "batch_slices", 1) if per_batch else 1
+            aux = (self.args.aux_loss_coeff * scale * batch_seqs) * sequence_balance_loss(
                 scores, ids, 1 if per_batch else bsz, self.num_experts, self.args.score_func, reduction="sum",
                 count_reduce=self.aux_loss_count_reduce)
             with torch.no_grad():
