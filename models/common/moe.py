@@ -61,7 +61,9 @@ class MoEArgs:
     topk_groups: int = 1
     aux_loss_coeff: float = 0.0
     # "sequence": DeepSeek V3's per-sequence loss; "batch": the Switch / Qwen3 loss over every
-    # token of the forward (one f_i, P_i per layer), weighted by its sequences' share.
+    # token the data ranks route together in one forward (one f_i, P_i per layer: counts summed
+    # over the dp mesh by parallelisms/sequence_shards.py), weighted by its sequences' share.
+    # Gradient accumulation and pipeline microbatches still each have their own f_i.
     aux_loss_scope: Literal["sequence", "batch"] = "sequence"
     use_grouped_mm: bool = True
 
