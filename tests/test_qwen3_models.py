@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -91,18 +90,11 @@ def test_flavor_param_count_equals_transformers(flavor):
 
 
 def _randomise(model, seed: int) -> None:
-    """Weights large enough that a wrong layout cannot hide (as tests/test_hf_models.py):
+    """Weights large enough that a wrong layout cannot hide (tests/test_hf_models.py's):
     unit embeddings, 1/sqrt(fan_in) linears (2x for q/k), norm gains 1 +- 0.3 (QK-norm too)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif p.ndim >= 2:
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
+    from tests.test_hf_models import _make_weights_matter
+
+    _make_weights_matter(model, ("q_proj", "k_proj"), seed)
 
 
 def build_hf_qwen3(folder: Path, *, moe: bool = False, tied: bool = False, legacy: bool = False, vocab: int = 256,
