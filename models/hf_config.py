@@ -203,6 +203,17 @@ class Recipe:
         raise NotImplementedError
 
 
+# Names every decoder family here shares with transformers' `*ForCausalLM` (literal tables,
+# so an adapter's map reads top to bottom): the edges of the model, and a SwiGLU expert's
+# projections (`experts.{e}.{gate,down,up}_proj`).
+HF_TOP_RENAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+HF_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
 class Same(Recipe):
     """native == hf (same shape, same layout)."""
 

@@ -97,6 +97,10 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
             raise ConfigError(f"config error: parallelism.expert_parallel_degree: {spec.name} has no experts; "
                               "set it to 1")
         spec.expert_parallel_fn(part, dims, cfg.parallelism)
+    if dims.dp_degree > 1:
+        from parallelisms.sequence_shards import add_batch_shard_mesh
+
+        add_batch_shard_mesh(part, dims.mesh("dp"))  # a batch-scope balance loss counts the global batch
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.compile import apply_compile
 

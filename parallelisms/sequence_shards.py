@@ -22,20 +22,33 @@ import torch.nn as nn
 
 class SequenceShardCounts:
     """counts [B, E] -> (counts summed over every mesh holding other slices of the same
-    sequences, number of slices). Called by `MoE.forward` (no gradient flows through counts)."""
+    sequences, number of slices). Called by `MoE.forward` (no gradient flows through counts).
+
+    `batch_meshes` (the data-parallel mesh, only for a batch-scope loss, whose one "sequence"
+    is every token of the batch): their ranks hold other sequences of the same global batch,
+    so they are slices too, and `batch_slices` tells the layer how many times more sequences
+    the union holds than this rank's forward."""
 
     def __init__(self) -> None:
         self.meshes: list = []
+        self.batch_meshes: list = []
 
     @property
     def slices(self) -> int:
         n = 1
-        for mesh in self.meshes:
+        for mesh in self.meshes + self.batch_meshes:
+            n *= mesh.size()
+        return n
+
+    @property
+    def batch_slices(self) -> int:
+        n = 1
+        for mesh in self.batch_meshes:
             n *= mesh.size()
         return n
 
     def __call__(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        for mesh in self.meshes:  # one [B, E] all-reduce per mesh: cp, then tp
+        for mesh in self.meshes + self.batch_meshes:  # one [B, E] all-reduce per mesh: cp, tp, then dp
             counts = funcol.all_reduce(counts, "sum", mesh)
         return counts, self.slices
 
@@ -51,5 +64,22 @@ def add_sequence_shard_mesh(model: nn.Module, mesh) -> int:
             if module.aux_loss_count_reduce is None:
                 module.aux_loss_count_reduce = SequenceShardCounts()
             module.aux_loss_count_reduce.meshes.append(mesh)
+            touched += 1
+    return touched
+
+
+def add_batch_shard_mesh(model: nn.Module, dp_mesh) -> int:
+    """Every MoE layer of `model` whose balance loss is batch-scope (Qwen3's global-batch
+    loss) sums its pick counts over the data-parallel mesh too, so f_i is that of the whole
+    batch the data ranks route together, as on one rank. Sequence-scope layers are left
+    alone (their sequences are whole on each data rank). Returns the layers touched."""
+    from models.common.moe import MoE
+
+    touched = 0
+    for module in model.modules():
+        if isinstance(module, MoE) and module.args.aux_loss_scope == "batch" and module.args.aux_loss_coeff > 0:
+            if module.aux_loss_count_reduce is None:
+                module.aux_loss_count_reduce = SequenceShardCounts()
+            module.aux_loss_count_reduce.batch_meshes.append(dp_mesh)
             touched += 1
     return touched

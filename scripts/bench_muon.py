@@ -67,14 +67,14 @@ def loss_sweep(args) -> None:
 def _model_8b(layers: int):
     import torch
 
-    from models.llama3.model import Transformer
+    from models.llama3.model import Llama3
     from trainer.config import load_config
 
     cfg = load_config(["--model.flavor", "8B"])
     model_args = cfg.model_args
     model_args.n_layers, model_args.vocab_size = layers, 2048
     torch.manual_seed(0)
-    return Transformer(model_args)
+    return Llama3(model_args)
 
 
 def step_time(args) -> None:

@@ -17,8 +17,9 @@ Options (everything else is a trainer override, `--section.key value`):
   --table                    the AC mode x chunked CE table for the config
   --cp-table                 context parallel degree (1/2/4/8, as the world allows) x AC none/full/op
   --validate                 debug models on this CPU: Llama under each AC mode with chunked CE off and
-                             on, 2-rank FSDP, TP 2 (Llama, DeepSeek, the test-only Qwen3), EP 2
-                             (DeepSeek) and CP 2; estimated saved activation bytes and peak vs measured
+                             on, 2-rank FSDP, TP 2 (Llama, DeepSeek, Qwen3 dense and MoE), EP 2
+                             (DeepSeek, Qwen3 MoE), Qwen3 (tied) on one rank and CP 2; estimated saved
+                             activation bytes and peak vs measured
   --quick                    with --validate: none/op only, one FSDP and one TP case
 """
 
@@ -145,7 +146,8 @@ def validate(quick: bool) -> str:
     common = ["--data.type", "synthetic", "--metrics.enable_tensorboard", "false", "--loss.ce_chunk_size", "128"]
     base = ["--config", "llama_debug.toml", *common]
     deepseek = ["--config", "deepseek_debug.toml", *common]
-    qwen3 = ["--config", "llama_debug.toml", "--model.name", "tests.qwen3_model", *common]
+    qwen3 = ["--config", "qwen3_debug.toml", *common]
+    qwen3_moe = ["--config", "qwen3_moe_debug.toml", *common]
     tp2 = ["--parallelism.tensor_parallel_degree", "2"]
     modes = ("none", "op") if quick else ("none", "full", "selective", "op")
     cases = []
@@ -163,7 +165,11 @@ def validate(quick: bool) -> str:
     if not quick:
         cases += [ValidationCase("deepseek-tp2", deepseek + tp2, nproc=2),
                   ValidationCase("deepseek-ep2", deepseek + ["--parallelism.expert_parallel_degree", "2"], nproc=2),
+                  ValidationCase("qwen3-op", qwen3 + ["--activation_checkpoint.mode", "op"]),
                   ValidationCase("qwen3-tp2-op", qwen3 + tp2 + ["--activation_checkpoint.mode", "op"], nproc=2),
+                  ValidationCase("qwen3-moe-tp2", qwen3_moe + tp2, nproc=2),
+                  ValidationCase("qwen3-moe-ep2", qwen3_moe + ["--parallelism.expert_parallel_degree", "2"],
+                                 nproc=2),
                   ValidationCase("llama-cp2", base + ["--parallelism.context_parallel_degree", "2"], nproc=2)]
     with tempfile.TemporaryDirectory() as d:
         rows = validate_cases(cases, d, timeout=600)

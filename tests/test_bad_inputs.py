@@ -44,6 +44,7 @@ PRE_LAUNCH = [
     ("positional argument", {}, ["steps"], "unexpected argument"),
     ("seq_len above the model's", {}, ["--training.seq_len", "99999999"], "training.seq_len"),
     ("unknown compile backend", {}, ["--compile.backend", "inductr"], "compile.backend"),
+    ("unknown optimizer", {}, ["--optimizer.name", "sgd"], "optimizer.name"),
     ("context parallel chunks", {"NGPU": "2"}, ["--parallelism.context_parallel_degree", "2",
                                                 "--training.seq_len", "66"], "context_parallel_degree"),
     # config: TOML files
@@ -125,6 +126,8 @@ IN_WORKER = [
                                                 "--training.steps", "10"], "training.max_skipped_steps"),
     ("HF folder without weights", {}, TINY + ["--checkpoint.initial_load_path", "{d}/hf_empty",
                                               "--checkpoint.initial_load_in_hf", "true"], "hf_empty"),
+    ("Muon rule that matches no parameter", {}, TINY + ["--optimizer.name", "muon", "--optimizer.muon_params",
+                                                        "layers.*,blocks.*"], "optimizer.muon_params: 'blocks.*'"),
 ]
 
 

@@ -198,7 +198,7 @@ def test_nan_in_toml_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name, world", [("deepseek_v3_671b.toml", 512), ("llama405b.toml", 64),
                                          ("llama70b.toml", 8), ("deepseek_v3_16b.toml", 8), ("llama8b.toml", 1),
-                                         ("llama_debug_3d.toml", 4)])
+                                         ("llama_debug_3d.toml", 4), ("qwen3_8b.toml", 1), ("qwen3_30b_a3b.toml", 8)])
 def test_dry_run_checks_the_world_size_the_config_implies(name, world):
     """Before: the pre-launch check validated these against the local process count (1) and failed."""
     from trainer.preflight import implied_world_size, layout_for

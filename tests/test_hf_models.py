@@ -113,16 +113,21 @@ def build_hf_llama(folder: Path, *, gqa: bool = True, rope_scaling: bool = True,
                       max_position_embeddings=256, rope_theta=500000.0 if rope_scaling else 10000.0,
                       rope_scaling=scaling, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    save_random_gqa_folder(LlamaForCausalLM(cfg), folder, seed=seed, tied=tied, legacy=legacy)
+    if tokenizer:
+        build_hf_tokenizer(folder, vocab)
+    return folder
+
+
+def save_random_gqa_folder(model, folder: Path, *, seed: int, tied: bool, legacy: bool) -> None:
+    """Randomises a q_proj / k_proj model (`_make_weights_matter`), ties its head if asked, saves
+    it with transformers, and rewrites config.json in the legacy RoPE spelling if asked."""
     _make_weights_matter(model, ("q_proj", "k_proj"), seed)
     if tied:
         model.tie_weights()
     model.save_pretrained(folder)
     if legacy:
         _legacy_rope(folder)
-    if tokenizer:
-        build_hf_tokenizer(folder, vocab)
-    return folder
 
 
 def build_hf_deepseek(folder: Path, *, q_lora: bool = True, yarn: bool = True, legacy: bool = False,

@@ -61,6 +61,30 @@ def run_train(nproc: int, args: list[str], timeout: int = 280):
     return run_killing_group([str(REPO / "run_train.sh"), *args], cwd=REPO, env=env, timeout=timeout)
 
 
+def train_one_step_at_lr0(ranks: int, folder: Path, dump: Path, extra: list[str]) -> float:
+    """`./run_train.sh --model.hf_path folder` for one step at lr 0 on SEQ x GLOBAL_BATCH tokens,
+    exporting the last step as an HF folder; returns the first loss."""
+    proc = run_train(ranks, [
+        "--model.hf_path", str(folder), "--training.seq_len", str(SEQ), "--training.global_batch_size",
+        str(GLOBAL_BATCH), "--training.steps", "1", "--optimizer.lr", "0",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", str(dump), "--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
+        *extra])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return losses_by_step(dump)[1]
+
+
+def assert_export_is_the_source(folder: Path, export: Path):
+    """The exported HF folder holds the source folder's tensors, bit for bit; returns its reader."""
+    from trainer.hf_io import HFReader
+
+    src, out = HFReader(folder), HFReader(export)
+    assert sorted(src.keys()) == sorted(out.keys())
+    changed = [k for k in src.keys() if not torch.equal(src.full(k), out.full(k))]
+    assert not changed, changed[:5]
+    return out
+
+
 def _first_global_batch(folder: Path) -> torch.Tensor:
     """The 4 windows [4, S+1] every layout below trains on first (seed 42, builtin corpus)."""
     from trainer.data import DataConfig, build_dataloader
@@ -100,29 +124,17 @@ LAYOUTS = {  # name -> (model, ranks, extra CLI args); every one has a global ba
     pytest.param("llama_tp2", marks=pytest.mark.slow), pytest.param("llama_pp2", marks=pytest.mark.slow),
 ])
 def test_run_train_from_hf_folder(layout, hf_folders, tmp_path):
-    from trainer.hf_io import HFReader
-
     model, ranks, extra = LAYOUTS[layout]
     folder = hf_folders[model]
     dump = tmp_path / "dump"
     frozen_routing = ["--moe.bias_update_rate", "0"] if model == "deepseek" else []
-    proc = run_train(ranks, [
-        "--model.hf_path", str(folder), "--training.seq_len", str(SEQ), "--training.global_batch_size",
-        str(GLOBAL_BATCH), "--training.steps", "1", "--optimizer.lr", "0", *frozen_routing,
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", str(dump), "--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
-        *extra])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    first = losses_by_step(dump)[1]
+    first = train_one_step_at_lr0(ranks, folder, dump, [*frozen_routing, *extra])
     ref = _hf_loss(folder)
     print(f"\n{layout}: first loss {first:.7f}, transformers {ref:.7f}, |diff| {abs(first - ref):.2g}")
     assert abs(first - ref) < LOSS_TOL, (first, ref)
 
     # At lr 0 (and a frozen routing bias) the export is the source folder, bit for bit.
-    src, out = HFReader(folder), HFReader(dump / "checkpoint" / "step-1-hf")
-    assert sorted(src.keys()) == sorted(out.keys())
-    changed = [k for k in src.keys() if not torch.equal(src.full(k), out.full(k))]
-    assert not changed, changed[:5]
+    out = assert_export_is_the_source(folder, dump / "checkpoint" / "step-1-hf")
     if model == "deepseek":
         assert any(".layers.3.eh_proj" in k for k in out.keys())  # the MTP layer went through
         assert "mtp_loss" in json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])

@@ -57,6 +57,8 @@ def test_estimate_matches_a_real_step_two_rank_fsdp(tmp_path):
 
 
 DEEPSEEK = ["--config", "deepseek_debug.toml", *DEBUG[2:]]
+QWEN3 = ["--config", "qwen3_debug.toml", *DEBUG[2:]]
+QWEN3_MOE = ["--config", "qwen3_moe_debug.toml", *DEBUG[2:]]
 
 
 @pytest.mark.slow
@@ -64,16 +66,19 @@ DEEPSEEK = ["--config", "deepseek_debug.toml", *DEBUG[2:]]
 @pytest.mark.timeout(900)
 def test_estimate_matches_a_real_step_tp2_and_ep2(tmp_path):
     """TP 2 for Llama (op AC: SAC under sequence parallel) and DeepSeek (MLA's wq_b / wkv_b
-    column-wise, MoE under SP), EP 2 (local experts, FSDP over the dense params), and the
-    test-only Qwen3 model under TP 2 (its own plan; nothing in trainer/memory names it), in
-    one torchrun launch. Saved bytes within 5%; the persistent state (each rank's parameter
-    and optimizer-state tensors) exactly, which only the plans' real local shapes give."""
+    column-wise, MoE under SP), EP 2 (local experts, FSDP over the dense params) for DeepSeek and
+    Qwen3 MoE, and Qwen3 dense (tied head, QK-norm) on one rank and under TP 2 with op AC (its own
+    plan; nothing in trainer/memory names it), in one torchrun launch. Saved bytes within 5%; the
+    persistent state (each rank's parameter and optimizer-state tensors) exactly, which only the
+    plans' real local shapes give, and the tied head counted once."""
     tp2 = ["--parallelism.tensor_parallel_degree", "2"]
     op = ["--activation_checkpoint.mode", "op"]
     cases = [ValidationCase("llama-tp2-op", DEBUG + tp2 + op, nproc=2),
              ValidationCase("deepseek-tp2", DEEPSEEK + tp2, nproc=2),
              ValidationCase("deepseek-ep2", DEEPSEEK + ["--parallelism.expert_parallel_degree", "2"], nproc=2),
-             ValidationCase("qwen3-tp2-op", DEBUG + ["--model.name", "tests.qwen3_model"] + tp2 + op, nproc=2)]
+             ValidationCase("qwen3-op", QWEN3 + op),
+             ValidationCase("qwen3-tp2-op", QWEN3 + tp2 + op, nproc=2),
+             ValidationCase("qwen3-moe-ep2", QWEN3_MOE + ["--parallelism.expert_parallel_degree", "2"], nproc=2)]
     rows = validate_cases(cases, str(tmp_path), timeout=850)
     text = _check_rows(rows)
     print(text)

@@ -1,6 +1,7 @@
 """Muon under every layout equals Muon on one rank; its momentum resumes through DCP.
 
-FSDP 2, TP 2, EP 2 (DeepSeek debug: experts whole on each rank) and PP 2 in one 2-rank
+FSDP 2, TP 2, EP 2 (DeepSeek debug and Qwen3 MoE debug: experts whole on each rank, so
+each expert's matrices are orthogonalised where they live) and PP 2 in one 2-rank
 torchrun launch, FSDP 2 x TP 2 in a 4-rank one, against one-rank references: 5 steps
 in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
 last-step grads and post-step params within 1e-5 (tests/test_parallel_layouts.py's
@@ -10,8 +11,6 @@ orthogonalised whole (parallelisms/muon_assembly.py): NS of a shard is not a sha
 Resume: the FSDP 2 run saves at step 3; the same layout resumed from it ends bitwise
 equal to the uninterrupted run (momentum buffers and AdamW states through DCP), and
 TP 2 resumed from it (resharded) matches the reference within 1e-5.
-
-Qwen3 MoE debug is not here: models/qwen3 was not on main when this was written.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import run_in_process
-from tests.test_parallel_layouts import PP2, _common, compare_to_reference, loss_rel, max_rel, norm_rel, \
+from tests.test_parallel_layouts import MODELS, PP2, _common, compare_to_reference, loss_rel, max_rel, norm_rel, \
     print_report, run_layout_cases, write_seed_checkpoints
 
 pytestmark = [pytest.mark.multirank]
@@ -36,6 +35,7 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_fsdp2": (2, "debug_small", [LB, "2", "--checkpoint.interval", "3"]),
     "muon_tp2": (2, "debug_small", [LB, "4", TP, "2"]),
     "muon_ep2": (2, "ds_debug", [LB, "2", EP, "2"]),
+    "muon_ep2_qwen3_moe": (2, "qwen3_moe", [LB, "2", EP, "2"]),
     "muon_pp2": (2, "debug_small", [LB, "4", *PP2]),
     "muon_fsdp2_tp2": (4, "debug_small", [LB, "2", TP, "2"]),
 }
@@ -45,18 +45,21 @@ RESUMES: dict[str, tuple[int, str, list[str]]] = {
     "muon_dcp_fsdp2_to_tp2": (2, "muon_fsdp2", LAYOUTS["muon_tp2"][2]),
 }
 REPORT: list[str] = []
+# Qwen3 MoE debug: 8 softmax-routed experts top 2, no shared expert, one dense block first.
+FLAVORS = {**MODELS, "qwen3_moe": ("qwen3", "debug_moe")}
 
 
 def _args(root, name: str, flavor: str, extra: list[str]) -> list[str]:
-    return _common(root, name, flavor) + MUON + extra
+    return _common(root, name, flavor, FLAVORS) + MUON + extra
 
 
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_layouts")
-    write_seed_checkpoints(root, ("debug_small", "ds_debug"))
+    flavors = sorted({flavor for _, flavor, _ in LAYOUTS.values()})
+    write_seed_checkpoints(root, flavors, FLAVORS)
     refs = {}
-    for flavor in ("debug_small", "ds_debug"):
+    for flavor in flavors:
         losses, trainer = run_in_process(_args(root, f"ref_{flavor}", flavor, [LB, "4"]))
         part = trainer.model_parts[0]
         refs[flavor] = {"losses": losses, "params": {n: p.detach().clone() for n, p in part.named_parameters()},

@@ -117,7 +117,8 @@ def test_bad_split_override_is_rejected():
         check_split(model, [["tok_embeddings", "layers.1"], ["layers.0", "layers.2", "norm", "output"]])
 
 
-@pytest.mark.parametrize("config", ["llama70b.toml", "llama405b.toml", "llama_debug_3d.toml"])
+@pytest.mark.parametrize("config", ["llama70b.toml", "llama405b.toml", "llama_debug_3d.toml", "qwen3_8b.toml",
+                                    "qwen3_30b_a3b.toml"])
 def test_big_layouts_pass_dry_run(config, capsys):
     from trainer.train import dry_run
 

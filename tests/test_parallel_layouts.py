@@ -111,8 +111,8 @@ REPORT: list[str] = []
 MODELS = {"debug_small": ("llama3", "debug_small"), "debug": ("llama3", "debug"), "ds_debug": ("deepseek_v3", "debug")}
 
 
-def _common(root: Path, name: str, flavor: str) -> list[str]:
-    model, fl = MODELS[flavor]
+def _common(root: Path, name: str, flavor: str, models: dict = MODELS) -> list[str]:
+    model, fl = models[flavor]
     return [*BASE, "--model.name", model, "--model.flavor", fl, "--job.dump_folder", str(root / "runs" / name),
             "--checkpoint.folder", str(root / "ck" / name),
             "--checkpoint.initial_load_path", str(root / f"seed_{flavor}" / "checkpoint" / "step-0")]
@@ -161,10 +161,10 @@ def loss_rel(got: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
-def write_seed_checkpoints(root: Path, flavors) -> None:
-    """One process writes the step-0 weights of each flavor (keys of MODELS) under root/seed_<flavor>."""
+def write_seed_checkpoints(root: Path, flavors, models: dict = MODELS) -> None:
+    """One process writes the step-0 weights of each flavor (keys of `models`) under root/seed_<flavor>."""
     for flavor in flavors:
-        model, fl = MODELS[flavor]
+        model, fl = models[flavor]
         run_in_process([*BASE, "--model.name", model, "--model.flavor", fl, "--training.local_batch_size", "4",
                         "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(root / f"seed_{flavor}")])
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ pytest.importorskip("safetensors")
 
 from models import get_model_spec  # noqa: E402
 from models.hf_config import HFConfigError, model_from_hf_folder  # noqa: E402
-from tests.test_hf_models import _legacy_rope, hf_logits, our_model_from_hf, tokens_for  # noqa: E402
+from tests.test_hf_models import hf_logits, our_model_from_hf, save_random_gqa_folder, tokens_for  # noqa: E402
 from trainer.hf_io import HFReader, save_hf  # noqa: E402
 
 TOL = 1e-4
@@ -90,21 +89,6 @@ def test_flavor_param_count_equals_transformers(flavor):
 # --------------------------------------------------------------------------- folders
 
 
-def _randomise(model, seed: int) -> None:
-    """Weights large enough that a wrong layout cannot hide (as tests/test_hf_models.py):
-    unit embeddings, 1/sqrt(fan_in) linears (2x for q/k), norm gains 1 +- 0.3 (QK-norm too)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif p.ndim >= 2:
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
-
-
 def build_hf_qwen3(folder: Path, *, moe: bool = False, tied: bool = False, legacy: bool = False, vocab: int = 256,
                    layers: int = 2, seed: int = 0, tokenizer: bool = False) -> Path:
     """A random tiny Qwen3 (or Qwen3-MoE) folder saved by transformers: GQA, head_dim 24 on a
@@ -120,13 +104,7 @@ def build_hf_qwen3(folder: Path, *, moe: bool = False, tied: bool = False, legac
                       mlp_only_layers=[0])
     cfg = _hf_config(fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    _randomise(model, seed)
-    if tied:
-        model.tie_weights()
-    model.save_pretrained(folder)
-    if legacy:
-        _legacy_rope(folder)
+    save_random_gqa_folder(AutoModelForCausalLM.from_config(cfg), folder, seed=seed, tied=tied, legacy=legacy)
     if tokenizer:
         build_qwen_tokenizer(folder, vocab)
     return folder

@@ -19,8 +19,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import losses_by_step
-from tests.test_hf_train import GLOBAL_BATCH, LOSS_TOL, SEQ, VOCAB, _hf_loss, run_train
+from tests.test_hf_train import LOSS_TOL, VOCAB, _hf_loss, assert_export_is_the_source, train_one_step_at_lr0
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +64,13 @@ LAYOUTS = {  # name -> (folder, ranks, extra CLI args); every one has a global b
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_qwen3_trains_from_hf_folder(layout, qwen_folders, tmp_path):
-    from trainer.hf_io import HFReader
-
     name, ranks, extra = LAYOUTS[layout]
     folder = qwen_folders[name]
     dump = tmp_path / "dump"
-    proc = run_train(ranks, [
-        "--model.hf_path", str(folder), "--training.seq_len", str(SEQ), "--training.global_batch_size",
-        str(GLOBAL_BATCH), "--training.steps", "1", "--optimizer.lr", "0",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", str(dump), "--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
-        *extra])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    first = losses_by_step(dump)[1]
+    first = train_one_step_at_lr0(ranks, folder, dump, extra)
     ref = _ref_loss(folder)
     print(f"\n{layout}: first loss {first:.7f}, transformers {ref:.7f}, |diff| {abs(first - ref):.2g}")
     assert abs(first - ref) < LOSS_TOL, (first, ref)
-
-    src, out = HFReader(folder), HFReader(dump / "checkpoint" / "step-1-hf")
-    assert sorted(src.keys()) == sorted(out.keys())
-    changed = [k for k in src.keys() if not torch.equal(src.full(k), out.full(k))]
-    assert not changed, changed[:5]
+    assert_export_is_the_source(folder, dump / "checkpoint" / "step-1-hf")
     assert json.loads((dump / "checkpoint" / "step-1-hf" / "config.json").read_text())["tie_word_embeddings"] == (
         name == "tied")

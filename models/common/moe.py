@@ -61,7 +61,9 @@ class MoEArgs:
     topk_groups: int = 1
     aux_loss_coeff: float = 0.0
     # "sequence": DeepSeek V3's per-sequence loss; "batch": the Switch / Qwen3 loss over every
-    # token of the forward (one f_i, P_i per layer), weighted by its sequences' share.
+    # token the data ranks route together in one forward (one f_i, P_i per layer: counts summed
+    # over the dp mesh by parallelisms/sequence_shards.py), weighted by its sequences' share.
+    # Gradient accumulation and pipeline microbatches still each have their own f_i.
     aux_loss_scope: Literal["sequence", "batch"] = "sequence"
     use_grouped_mm: bool = True
 
@@ -383,8 +385,11 @@ class MoE(nn.Module):
         if self.args.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
             # "batch" treats the forward's tokens as one sequence: [N, K] ids -> 1 x (N * K) picks.
+            # Its share is that of every sequence the data ranks route together (the count
+            # reduce's batch slices: other data ranks' sequences), as one global-batch loss.
             per_batch = self.args.aux_loss_scope == "batch"
-            aux = (self.args.aux_loss_coeff * scale * (bsz if per_batch else 1)) * sequence_balance_loss(
+            batch_seqs = bsz * getattr(self.aux_loss_count_reduce, "batch_slices", 1) if per_batch else 1
+            aux = (self.args.aux_loss_coeff * scale * batch_seqs) * sequence_balance_loss(
                 scores, ids, 1 if per_batch else bsz, self.num_experts, self.args.score_func, reduction="sum",
                 count_reduce=self.aux_loss_count_reduce)
             with torch.no_grad():
@@ -444,6 +449,32 @@ def discard_moe_loads(model: nn.Module | Iterable[nn.Module]) -> None:
     the next update either."""
     for m in _moe_layers(model):
         m.tokens_per_expert.zero_()
+
+
+def moe_post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True,
+                            default_coeff: float = 1e-3) -> dict[str, float]:
+    """A `ModelSpec.post_optimizer_step_fn` for MoE families, called as (model_part, ParallelDims,
+    with_metrics=whether this step is logged). Loads are summed over every rank of the pipeline
+    stage ("dp_cp_tp": data ranks route different tokens, and so do TP ranks under sequence
+    parallel; without SP the TP ranks count the same tokens, a uniform factor the sign-based
+    update ignores), so every replica of a layer applies the same bias update, at the rate
+    `model.args.load_balance_coeff` (`default_coeff` for a model without it; 0 leaves the bias
+    at zero). Returns the step's expert-load metrics (`expert_load_metrics`), computed before
+    the counters are zeroed."""
+    coeff = getattr(getattr(model, "args", None), "load_balance_coeff", default_coeff)
+    group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
+    counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
+    return expert_load_metrics(moe_layer_ids(model), counts) if with_metrics else {}
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Routed-expert parameters a token does not visit, over an unsharded (meta) model:
+    (E - top_k) experts' w1, w2, w3 per MoE layer. Total minus this is the activated count."""
+    inactive = 0
+    for m in _moe_layers(model):
+        per_expert = sum(w[0].numel() for w in (m.experts.w1, m.experts.w2, m.experts.w3))
+        inactive += (m.num_experts - m.top_k) * per_expert
+    return inactive
 
 
 def set_aux_loss_sequences(model: nn.Module | Iterable[nn.Module], sequences_per_step: int) -> None:

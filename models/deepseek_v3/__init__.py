@@ -1,6 +1,6 @@
 """DeepSeek V3: the spec the trainer sees."""
 
-from models.common.moe import (MoE, MoEArgs, discard_moe_loads, expert_load_metrics, moe_aux_loss, moe_layer_ids,
+from models.common.moe import (MoE, MoEArgs, discard_moe_loads, moe_aux_loss, moe_post_optimizer_step,
                                update_moe_load_balance_bias)
 from models.deepseek_v3.ac import AC_POLICIES
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
@@ -11,17 +11,9 @@ from models.spec import ModelSpec
 
 
 def post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True) -> dict[str, float]:
-    """ModelSpec.post_optimizer_step_fn: the trainer calls it as (model_part, ParallelDims,
-    with_metrics=whether this step is logged).
-    Loads are summed over every rank of the pipeline stage ("dp_cp_tp": data ranks route
-    different tokens, and so do TP ranks under sequence parallel; without SP the TP ranks
-    count the same tokens, a uniform factor the sign-based update ignores), so every
-    replica of a layer applies the same bias update. Returns the expert-load metrics of
-    this step (`expert_load_metrics`), computed before the counters are zeroed."""
-    coeff = getattr(getattr(model, "args", None), "load_balance_coeff", 1e-3)
-    group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
-    counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
-    return expert_load_metrics(moe_layer_ids(model), counts) if with_metrics else {}
+    """ModelSpec.post_optimizer_step_fn: the aux-loss-free bias update at `load_balance_coeff`
+    and this step's expert-load metrics (models.common.moe.moe_post_optimizer_step)."""
+    return moe_post_optimizer_step(model, parallel_dims, with_metrics=with_metrics, default_coeff=1e-3)
 
 
 def summarize(model, args: DeepSeekV3Args, seq_len: int) -> dict[str, float]:

@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 
 from models.common.attention import DocumentMask, SDPA
-from models.common.decoder import DecoderLM, FeedForward
+from models.common.block import MoETransformerBlock
+from models.common.decoder import DecoderLM
 from models.common.init import trunc_normal_
-from models.common.moe import MoE, MoEArgs
+from models.common.moe import MoE, MoEArgs, inactive_expert_params
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.deepseek_v3.args import DeepSeekV3Args
@@ -136,31 +137,12 @@ def moe_args_from(args: DeepSeekV3Args) -> MoEArgs:
     )
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block. Dense blocks have `feed_forward`, MoE blocks have `moe` (never both)."""
+class TransformerBlock(MoETransformerBlock):
+    """Pre-norm MLA block: dense SwiGLU for the first `n_dense_layers`, MoE after (and in MTP modules)."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MLA(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe_enabled = layer_id >= args.n_dense_layers
-        if self.moe_enabled:
-            self.moe = MoE(args.dim, args.moe_inter_dim, moe_args_from(args))
-        else:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)  # a keyword: TP plans prepare (x, rope)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(0.02, self.out_std)
+        moe = moe_args_from(args) if layer_id >= args.n_dense_layers else None
+        super().__init__(layer_id, args, MLA(args), moe, args.inter_dim)
 
 
 class DeepSeekV3(DecoderLM):
@@ -222,10 +204,5 @@ def count_params(model_or_args: nn.Module | DeepSeekV3Args) -> tuple[int, int]:
     else:
         model = model_or_args
     total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for m in model.modules():
-        if isinstance(m, MoE):
-            total += m.expert_bias.numel()
-            per_expert = sum(w[0].numel() for w in (m.experts.w1, m.experts.w2, m.experts.w3))
-            inactive += (m.num_experts - m.top_k) * per_expert
-    return total, total - inactive
+    total += sum(m.expert_bias.numel() for m in model.modules() if isinstance(m, MoE))
+    return total, total - inactive_expert_params(model)

@@ -15,7 +15,8 @@ DTensors with plain tensors.
   the rope key (the last `qk_rope_head_dim` outputs of `wkv_a`) is broadcast to this
   rank's heads inside MLA.forward, so its gradient is only this rank's heads' share: a
   hook on `wkv_a` all-reduces the gradient of those columns over TP.
-- MoE blocks. With sequence parallel the MoE runs on each TP rank's own sequence shard:
+- Block frame, dense FFN and MoE: the layouts shared with Qwen3 (parallelisms/block_tp.py).
+  MoE blocks: with sequence parallel the MoE runs on each TP rank's own sequence shard:
   no communication at its boundary, the router gate is replicated (gradient summed over
   TP by DTensor), routed experts are replicated with a partial gradient (ep = 1) or
   EP-sharded (ep > 1, by `expert_parallel_fn`), and the shared experts are a TP MLP
@@ -34,26 +35,12 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Replicate, Shard
 
 from parallelisms import tensor_parallel as tp
+from parallelisms.block_tp import block_frame_plan, ffn_plan, finish_moe_block, residual_out_layout
 from parallelisms.expert_parallel import expert_parallel_fn
-from parallelisms.sequence_shards import add_sequence_shard_mesh
 from parallelisms.tensor_parallel import ReplicateParallel
-
-
-class _ReplicateParams(ParallelStyle):
-    """Parameters replicated as DTensors over TP; no input/output hooks (the module keeps
-    computing on local tensors, e.g. `GroupedExperts`, which calls `.to_local()`)."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
-                                                           requires_grad=param.requires_grad))
-
-        return distribute_module(module, device_mesh, partition)
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -78,36 +65,10 @@ def _sum_rope_key_grad_hook(start: int, group):
     return hook
 
 
-def _moe_plan(prefix: str, sp: bool, ep: int, plan: dict) -> None:
-    if sp:
-        # The MoE works on this rank's tokens: local tensors in, Shard(1) DTensor out.
-        plan[f"{prefix}.moe"] = tp.PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
-        plan[f"{prefix}.moe.router.gate"] = tp.SequenceParallel(sequence_dim=0, use_local_output=True)
-        plan[f"{prefix}.moe.shared_experts"] = tp.PrepareModuleInput(
-            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True)
-        plan[f"{prefix}.moe.shared_experts.w2"] = tp.RowwiseParallel(output_layouts=Shard(0), use_local_output=True)
-    else:
-        plan[f"{prefix}.moe.router.gate"] = ReplicateParallel()
-        plan[f"{prefix}.moe.shared_experts.w2"] = tp.RowwiseParallel()
-    plan[f"{prefix}.moe.shared_experts.w1"] = tp.ColwiseParallel()
-    plan[f"{prefix}.moe.shared_experts.w3"] = tp.ColwiseParallel()
-    if ep <= 1:
-        plan[f"{prefix}.moe.experts"] = _ReplicateParams()
-
-
 def _block_plan(prefix: str, block: nn.Module, sp: bool, ep: int, plan: dict, *, first_without_embedding: bool,
                 gather_output: bool) -> None:
     """The plan of one transformer block (a decoder layer, or an MTP module's block)."""
-    norm = tp.norm_style if sp else tp.norm_style_no_sp
-    out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-    if sp:
-        plan[prefix] = tp.block_input_style(1, first_on_stage_without_embedding=first_without_embedding,
-                                            gather_output=gather_output)
-        plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
-    plan[f"{prefix}.attention_norm"] = norm()
-    plan[f"{prefix}.ffn_norm"] = norm()
+    block_frame_plan(prefix, sp, plan, first_without_embedding=first_without_embedding, gather_output=gather_output)
     att = f"{prefix}.attention"
     if block.attention.q_lora_rank == 0:
         plan[f"{att}.wq"] = tp.ColwiseParallel()
@@ -118,15 +79,8 @@ def _block_plan(prefix: str, block: nn.Module, sp: bool, ep: int, plan: dict, *,
     plan[f"{att}.wkv_a"] = ReplicateParallel()
     plan[f"{att}.kv_norm"] = ReplicateParallel()
     plan[f"{att}.wkv_b"] = tp.ColwiseParallel()
-    plan[f"{att}.wo"] = tp.RowwiseParallel(**out_layout)
-    if block.moe_enabled:
-        _moe_plan(prefix, sp, ep, plan)
-    else:
-        if sp:
-            plan[f"{prefix}.feed_forward"] = tp.module_input_style()
-        plan[f"{prefix}.feed_forward.w1"] = tp.ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
+    plan[f"{att}.wo"] = tp.RowwiseParallel(**residual_out_layout(sp))
+    ffn_plan(prefix, block, sp, ep, plan)
 
 
 def _mtp_plan(model: nn.Module, sp: bool, ep: int, plan: dict) -> None:
@@ -170,12 +124,7 @@ def parallelize_deepseek(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     for block in _all_blocks(model):
         att = block.attention
         att.wkv_a.register_forward_hook(_sum_rope_key_grad_hook(att.kv_lora_rank, tp_mesh.get_group()))
-        if block.moe_enabled and sp:
-            # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
-            add_sequence_shard_mesh(block.moe, tp_mesh)
-            if ep <= 1:
-                # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
-                block.moe.experts.partial_grad_over_replicate = True
+        finish_moe_block(block, tp_mesh, sp, ep)
 
 
 __all__ = ["parallelize_deepseek", "expert_parallel_fn"]

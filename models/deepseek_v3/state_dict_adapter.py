@@ -58,6 +58,8 @@ import torch
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from models.deepseek_v3.model import DeepSeekV3
 from models.hf_config import (
+    HF_EXPERT_PROJ,
+    HF_TOP_RENAMES,
     Absent,
     HFConfigError,
     HFStateDictAdapter,
@@ -99,12 +101,8 @@ _MTP_RENAMES = {
     "eh_proj.weight": "eh_proj.weight",
     "norm.weight": "shared_head.norm.weight",
 }
-_EXPERT_RENAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_TOP_RENAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_EXPERT_RENAMES = HF_EXPERT_PROJ
+_TOP_RENAMES = HF_TOP_RENAMES
 _KNOWN_FIELDS = {
     "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor",

@@ -24,6 +24,7 @@ import torch
 
 from models.common.rope import RopeScaling
 from models.hf_config import (
+    HF_TOP_RENAMES,
     HFConfigError,
     HFStateDictAdapter,
     Recipe,
@@ -47,11 +48,7 @@ _LAYER_RENAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
-_TOP_RENAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_TOP_RENAMES = HF_TOP_RENAMES
 _KNOWN_FIELDS = {
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
     "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",

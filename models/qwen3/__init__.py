@@ -1,6 +1,6 @@
 """Qwen3, dense and MoE: the spec the trainer sees (one family; a MoE flavor has routed experts)."""
 
-from models.common.moe import discard_moe_loads, expert_load_metrics, moe_layer_ids, update_moe_load_balance_bias
+from models.common.moe import discard_moe_loads, moe_post_optimizer_step
 from models.deepseek_v3.ac import AC_POLICIES
 from models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from models.qwen3.model import Qwen3, count_params
@@ -11,12 +11,9 @@ from models.spec import ModelSpec
 
 def post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True) -> dict[str, float]:
     """ModelSpec.post_optimizer_step_fn: the expert-load metrics of this step (loads summed over
-    the stage's ranks, as DeepSeek V3's) and, only when `moe.bias_update_rate` > 0, the
-    aux-loss-free bias update (off for Qwen3: rate 0 leaves the bias at zero)."""
-    coeff = getattr(getattr(model, "args", None), "load_balance_coeff", 0.0)
-    group = parallel_dims.mesh("dp_cp_tp") if parallel_dims is not None else None
-    counts = update_moe_load_balance_bias(model, coeff=coeff, dp_group=group)
-    return expert_load_metrics(moe_layer_ids(model), counts) if with_metrics else {}
+    the stage's ranks) and, only when `moe.bias_update_rate` > 0, the aux-loss-free bias update
+    (off for Qwen3: rate 0 leaves the bias at zero)."""
+    return moe_post_optimizer_step(model, parallel_dims, with_metrics=with_metrics, default_coeff=0.0)
 
 
 def summarize(model, args: Qwen3Args, seq_len: int) -> dict[str, float]:

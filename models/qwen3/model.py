@@ -15,14 +15,13 @@ normalised top-k, no shared expert, no routing bias). What is Qwen3's own:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from models.common.attention import DocumentMask
-from models.common.decoder import DecoderLM, FeedForward
-from models.common.moe import MoE, MoEArgs
+from models.common.block import MoETransformerBlock
+from models.common.decoder import DecoderLM
+from models.common.moe import MoEArgs, inactive_expert_params
 from models.common.norms import RMSNorm
 from models.common.rope import apply_rope, llama3_inv_freq, rope_cos_sin
 from models.llama3.model import Attention
@@ -32,10 +31,11 @@ from models.qwen3.args import Qwen3Args
 class Qwen3Attention(Attention):
     """Llama 3's projections (head_dim from the args, not dim / n_heads) with QK-norm."""
 
-    def __init__(self, args: Qwen3Args):
+    def __init__(self, args: Qwen3Args, qk_norm_eps: float | None = None):
         super().__init__(args)
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        eps = args.norm_eps if qk_norm_eps is None else qk_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -60,33 +60,13 @@ def moe_args_from(args: Qwen3Args) -> MoEArgs:
                    use_grouped_mm=args.use_grouped_mm)
 
 
-class Qwen3Block(nn.Module):
-    """Pre-norm block. Dense blocks have `feed_forward`, MoE blocks have `moe` (never both):
-    the module names of DeepSeek V3's blocks, so the MoE TP plan and AC policies apply as they are."""
+class Qwen3Block(MoETransformerBlock):
+    """Pre-norm block with QK-norm attention; MoE where `args.is_moe_layer(layer_id)`. The module
+    names are DeepSeek V3's (one shared block), so the MoE TP plan and AC policies apply as they are."""
 
     def __init__(self, layer_id: int, args: Qwen3Args):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Qwen3Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe_enabled = args.is_moe_layer(layer_id)
-        if self.moe_enabled:
-            self.moe = MoE(args.dim, args.moe_inter_dim, moe_args_from(args))
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        # Depth-scaled init keeps the residual stream's variance flat in deep models.
-        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1)) if args.depth_init else 0.02 / math.sqrt(2 * args.n_layers)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)  # a keyword: TP plans prepare (x, rope)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(0.02, self.out_std)
+        moe = moe_args_from(args) if args.is_moe_layer(layer_id) else None
+        super().__init__(layer_id, args, Qwen3Attention(args), moe, args.ffn_hidden_dim)
 
 
 class Qwen3(DecoderLM):
@@ -113,9 +93,4 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     """(total, activated per token) of an unsharded (meta) model as HF counts them: every
     parameter once (a tied head is the embedding), no buffers."""
     total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for m in model.modules():
-        if isinstance(m, MoE):
-            per_expert = sum(w[0].numel() for w in (m.experts.w1, m.experts.w2, m.experts.w3))
-            inactive += (m.num_experts - m.top_k) * per_expert
-    return total, total - inactive
+    return total, total - inactive_expert_params(model)

@@ -8,10 +8,8 @@ AC, compile and FSDP.
 - QK-norm is an RMSNorm over head_dim applied per head, so on a rank's local heads it is
   exact. Its gain is a replicated DTensor and its input is viewed as sharded on the head
   dim, so DTensor sums the gain's gradient over the TP ranks' heads (`HeadShardedNorm`).
-- MoE blocks: as DeepSeek V3's (models/deepseek_v3/parallelize.py) without shared experts.
-  With sequence parallel each TP rank routes its own sequence shard (router gate
-  replicated, routed experts replicated with a partial gradient or EP-sharded); without
-  it the replicated full sequence is routed whole on every rank.
+- Block frame, dense FFN and MoE blocks: the layouts shared with DeepSeek V3
+  (parallelisms/block_tp.py; no shared experts here).
 - Tied embeddings: embedding row-wise and head column-wise both shard the [vocab, dim]
   weight on dim 0 over the same mesh, so after the plan the head takes the embedding's
   DTensor again and the tie survives TP.
@@ -20,74 +18,19 @@ AC, compile and FSDP.
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallelisms import expert_parallel
 from parallelisms import tensor_parallel as tp
-from parallelisms.tensor_parallel import ReplicateParallel
-from parallelisms.sequence_shards import add_sequence_shard_mesh
-
-
-class HeadShardedNorm(ParallelStyle):
-    """TP for a norm over head_dim applied to this rank's heads ([B, S, H_local, Dh])."""
-
-    def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
-
-        def inputs(mod, args, mesh):
-            return (DTensor.from_local(args[0], mesh, [Shard(2)], run_check=False), *args[1:])
-
-        def outputs(mod, out, mesh):
-            return out.to_local()
-
-        return distribute_module(module, mesh, partition, inputs, outputs)
-
-
-class _ReplicateParams(ParallelStyle):
-    """Routed experts replicated as DTensors over TP; no hooks (GroupedExperts computes on local tensors)."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
-                                                           requires_grad=param.requires_grad))
-
-        return distribute_module(module, device_mesh, partition)
+from parallelisms.block_tp import HeadShardedNorm, block_frame_plan, ffn_plan, finish_moe_block, residual_out_layout
 
 
 def _block_plan(prefix: str, block: nn.Module, sp: bool, ep: int, plan: dict, *, first_without_embedding: bool,
                 gather_output: bool) -> None:
-    norm = tp.norm_style if sp else tp.norm_style_no_sp
-    out_layout = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-    if sp:
-        plan[prefix] = tp.block_input_style(1, first_on_stage_without_embedding=first_without_embedding,
-                                            gather_output=gather_output)
-        plan[f"{prefix}.attention"] = tp.module_input_style(n_extra_args=1)
-    plan[f"{prefix}.attention_norm"] = norm()
-    plan[f"{prefix}.ffn_norm"] = norm()
+    block_frame_plan(prefix, sp, plan, first_without_embedding=first_without_embedding, gather_output=gather_output)
     for name in ("wq", "wk", "wv"):
         plan[f"{prefix}.attention.{name}"] = tp.ColwiseParallel()
-    plan[f"{prefix}.attention.wo"] = tp.RowwiseParallel(**out_layout)
-    if block.moe_enabled:
-        if sp:
-            # The MoE works on this rank's tokens: local tensors in, Shard(1) DTensor out.
-            plan[f"{prefix}.moe"] = tp.PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
-            plan[f"{prefix}.moe.router.gate"] = tp.SequenceParallel(sequence_dim=0, use_local_output=True)
-        else:
-            plan[f"{prefix}.moe.router.gate"] = ReplicateParallel()
-        if ep <= 1:
-            plan[f"{prefix}.moe.experts"] = _ReplicateParams()
-    else:
-        if sp:
-            plan[f"{prefix}.feed_forward"] = tp.module_input_style()
-        plan[f"{prefix}.feed_forward.w1"] = tp.ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w3"] = tp.ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w2"] = tp.RowwiseParallel(**out_layout)
+    plan[f"{prefix}.attention.wo"] = tp.RowwiseParallel(**residual_out_layout(sp))
+    ffn_plan(prefix, block, sp, ep, plan)
 
 
 def parallelize_qwen3(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
@@ -103,12 +46,7 @@ def parallelize_qwen3(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
     for block in model.layers.values():
         HeadShardedNorm()._apply(block.attention.q_norm, tp_mesh)
         HeadShardedNorm()._apply(block.attention.k_norm, tp_mesh)
-        if block.moe_enabled and sp:
-            # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
-            add_sequence_shard_mesh(block.moe, tp_mesh)
-            if ep <= 1:
-                # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
-                block.moe.experts.partial_grad_over_replicate = True
+        finish_moe_block(block, tp_mesh, sp, ep)
     model.tie()
 
 

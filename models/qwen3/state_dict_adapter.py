@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from models.hf_config import (Absent, HFConfigError, HFStateDictAdapter, Recipe, Same, StackedTransposed, Tied,
-                              check_known_fields, dtype_name, parse_rope, require)
+from models.hf_config import (HF_EXPERT_PROJ, HF_TOP_RENAMES, Absent, HFConfigError, HFStateDictAdapter, Recipe, Same,
+                              StackedTransposed, Tied, check_known_fields, dtype_name, parse_rope, require)
 from models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from models.qwen3.model import Qwen3
 
@@ -44,12 +44,8 @@ _LAYER_RENAMES = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "moe.router.gate.weight": "mlp.gate.weight",
 }
-_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_TOP_RENAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_EXPERT_PROJ = HF_EXPERT_PROJ
+_TOP_RENAMES = HF_TOP_RENAMES
 _DENSE_FIELDS = {
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
     "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",

@@ -158,6 +158,23 @@ def _layer_ids(part: nn.Module) -> list[int]:
     return [int(k) for k in part.layers.keys()]
 
 
+def _to_empty_keeping_ties(part: nn.Module) -> None:
+    """`to_empty` gives each module its own tensor, so a parameter two modules share (a tied
+    embedding and head) would be counted twice. The trainer re-ties in `init_weights`, which the
+    estimator never runs: here every module that shared a parameter gets the first owner's again."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    aliases: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for mod in part.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in owners:
+                aliases.append((mod, name, *owners[id(p)]))
+            else:
+                owners[id(p)] = (mod, name)
+    part.to_empty(device="cpu")
+    for mod, name, owner, owner_name in aliases:
+        setattr(mod, name, getattr(owner, owner_name))
+
+
 @contextlib.contextmanager
 def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda"):
     """Yields the `AssembledRank` of PP rank `pp_rank` (data/TP/EP coordinate 0) of `cfg`
@@ -184,6 +201,6 @@ def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             for part in built.parts:
-                part.to_empty(device="cpu")
+                _to_empty_keeping_ties(part)
         yield AssembledRank(parts=built.parts, dims=dims, precision=precision, fake_mode=fake_mode,
                             pp_rank=pp_rank, stage_layer_ids=[_layer_ids(p) for p in built.parts])
