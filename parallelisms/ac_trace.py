@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.configurable import env_flag
+from configuration.environment import env_flag
 
 logger = logging.getLogger("ac")
 

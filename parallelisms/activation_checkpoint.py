@@ -51,7 +51,7 @@ from parallelisms.ac_ops import (
 )
 from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
-from trainer.configurable import ConfigError, check_value, opt
+from configuration.fields import ConfigError, check_value, opt
 
 logger = logging.getLogger("ac")
 

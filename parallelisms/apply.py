@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 logger = logging.getLogger("apply")
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from trainer.configurable import opt
+from configuration.fields import opt
 
 logger = logging.getLogger("compile")
 

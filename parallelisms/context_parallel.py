@@ -62,7 +62,7 @@ def kv_repeat_for_alltoall(n_heads: int, n_kv_heads: int, cp: int) -> int | None
 
 def check_context_parallel_layout(model_args, *, cp: int, tp: int, method: str, seq_len: int,
                                   sequence_parallel: bool) -> None:
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     if cp <= 1:
         return

@@ -61,7 +61,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 def check_expert_parallel_layout(model_args, *, ep: int, tp: int, sequence_parallel: bool) -> None:
     """Config-time checks of an EP layout (also run by --dry-run)."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     if ep <= 1:
         return
@@ -166,7 +166,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, expert_fsdp_mesh=None) -> i
 
 def expert_parallel_fn(model: nn.Module, dims, parallelism_cfg) -> None:
     """`ModelSpec.expert_parallel_fn(part, ParallelDims, ParallelismConfig)`: runs after TP."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     ep = dims.ep
     if ep <= 1:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 logger = logging.getLogger("float8")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.configurable import opt
+from configuration.fields import opt
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -48,7 +48,7 @@ def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batc
                  model_spec=None, chunked_ce: bool = False) -> None:
     """Every check of the degrees against the model, the loss and the batch (no world size):
     the one place that validates `tensor_parallel_degree` and the other degrees."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
     if tp > 1 and model_spec is not None and model_spec.tensor_parallel_fn is None:
@@ -89,7 +89,7 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 def check_model_layout(model_args, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
     """TP must divide heads and KV heads; SP needs seq_len divisible by TP; at most one stage per layer."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     n_heads = getattr(model_args, "n_heads", None)
     n_kv = getattr(model_args, "n_kv_heads", None) or n_heads
@@ -113,7 +113,7 @@ def check_model_layout(model_args, *, tp: int, pp: int, seq_len: int, sequence_p
 
 def check_pipeline_layout(cfg: ParallelismConfig, n_layers: int | None, local_batch_size: int) -> None:
     """Stages per rank vs schedule, stages vs layers, microbatches vs schedule."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     pp, spr, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_stages_per_rank, cfg.pipeline_parallel_schedule
     stages = pp * spr
@@ -183,7 +183,7 @@ class ParallelDims:
 
     def __init__(self, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
                  ep: int = 1, world_size: int = 1):
-        from trainer.configurable import ConfigError
+        from configuration.fields import ConfigError
 
         others = dp_replicate * cp * tp * pp
         if dp_shard == -1:

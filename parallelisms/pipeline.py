@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from parallelisms.parallel_dims import V_SCHEDULES, check_pipeline_layout
-from trainer.configurable import global_rank
+from configuration.environment import global_rank
 
 logger = logging.getLogger("pipeline")
 
@@ -98,7 +98,7 @@ def split_stages(model: nn.Module, num_stages: int, pre_weight: float = 1.0, pos
 
 def check_split(model: nn.Module, fqns_per_stage: list[list[str]]) -> None:
     """Every module of the model in exactly one stage, in model order, no unknown names."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     pre, layers, post = model_units(model)
     known = pre + layers + post
@@ -194,7 +194,7 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], dims, cfg, loss
     """(schedule, has_first_stage, has_last_stage) over this rank's parallelized stages."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     pcfg = cfg.parallelism
     name = pcfg.pipeline_parallel_schedule

@@ -137,7 +137,7 @@ def model_level_plan(model: nn.Module, sequence_parallel: bool, loss_parallel_on
     if model.output is not None:
         plan["output"] = head_style(sequence_parallel, loss_parallel_on)
     if sequence_parallel and not len(model.layers) and (model.tok_embeddings is None or model.output is None):
-        from trainer.configurable import ConfigError
+        from configuration.fields import ConfigError
 
         raise ConfigError("config error: parallelism.module_fqns_per_model_part: with sequence parallel every "
                           "pipeline stage needs at least one transformer block; move a block into the stage or "

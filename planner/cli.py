@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 _VALUE = {"--gpus": "gpus", "--gpu": "gpu", "--hardware": "hardware", "--seq-len": "seq", "--global-batch-tokens":
           "tokens", "--top": "top", "--explain": "explain", "--write": "write", "--ac": "ac", "--compile": "compile",

@@ -16,7 +16,7 @@ GiB = 1024**3
 
 
 def dry_run_lines(argv: list[str], cfg, world: int) -> list[str]:
-    from trainer.configurable import env_value
+    from configuration.environment import env_value
 
     if env_value("TITAN_DRY_RUN_PLAN", "1").strip() == "0":
         return []
@@ -36,7 +36,7 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     from planner.step_time import predict
     from planner.workload import workload_of
 
-    from trainer.configurable import env_value
+    from configuration.environment import env_value
 
     choice = env_value("TITAN_PLAN_GPU") or "h100-sxm"
     hw = get_hardware(path=choice) if choice.endswith(".toml") else get_hardware(choice)

@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ _EFF_FIELDS = [f.name for f in dataclasses.fields(Efficiency)]
 
 def default_calibration_file() -> Path:
     """Where `--calibrate` stores the cpu-gloo entry (TITAN_PLANNER_CALIBRATION overrides)."""
-    from trainer.configurable import env_value
+    from configuration.environment import env_value
 
     env = env_value("TITAN_PLANNER_CALIBRATION")
     return Path(env) if env else Path.home() / ".cache" / "titanlite" / "cpu-gloo.toml"

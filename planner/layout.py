@@ -101,7 +101,7 @@ class Plan:
 def plan_of_config(cfg, world: int) -> Plan:
     """The plan a loaded config runs on `world` ranks (its own layout, for --dry-run)."""
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.preflight import batch_layout
+    from trainer.layout import batch_layout
 
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.from_config(p, world)

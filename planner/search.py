@@ -152,7 +152,7 @@ class Search:
     def layout_ok(self, plan: Plan) -> bool:
         """`check_layout` and `ParallelDims` on the plan's degrees (cached: no dp in the key)."""
         from parallelisms.parallel_dims import ParallelDims, check_layout
-        from trainer.configurable import ConfigError
+        from configuration.fields import ConfigError
 
         key = (plan.tp, plan.cp, plan.cp_method, plan.pp, plan.schedule, plan.stages_per_rank, plan.microbatch,
                plan.ep, plan.local_batch, plan.chunked_ce, plan.dp_shard, plan.dp_replicate)
@@ -176,8 +176,8 @@ class Search:
 
     def accepted(self, plan: Plan) -> bool:
         """What ./run_train.sh checks before a worker starts: the full config load on the world."""
-        from trainer.configurable import ConfigError
-        from trainer.preflight import layout_for
+        from configuration.fields import ConfigError
+        from trainer.layout import layout_for
 
         try:
             layout_for(self.memory.config_for(plan), plan.world)

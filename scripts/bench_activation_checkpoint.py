@@ -85,7 +85,7 @@ def _bench_args(argv: list[str]):
 
 def _load_cfg(rest: list[str]):
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     try:
         return load_config(rest)
     except ConfigError as e:

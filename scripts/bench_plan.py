@@ -74,7 +74,7 @@ def _predict(config: str, plan_fields: dict, gpu: str, seq: int, extra: list[str
     hw = KNOWN[gpu]
     fields = dict(dp_replicate=1, **plan_fields)
     plan = Plan(**fields)
-    from trainer.preflight import layout_for
+    from trainer.layout import layout_for
 
     layout_for(load_config(argv + plan.overrides(), world_size=plan.world), plan.world)  # the trainer's checks
     st = predict(plan, workload_of(cfg), hw, seq)

@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.config import SECTIONS  # noqa: E402
-from trainer.configurable import ENV_KNOBS, field_docs  # noqa: E402
+from configuration.fields import field_docs  # noqa: E402
+from configuration.environment import ENV_KNOBS  # noqa: E402
 
 
 def reference() -> str:

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> str:
         beside = "/".join([*args.filename.split("/")[:-1], "tokenizer_config.json"])
         fetch(args.repo_id, beside, args.hf_token, args.revision, os.path.join(local_dir, "tokenizer_config.json"))
 
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     from trainer.data.tokenizer import build_tokenizer
 
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.configurable import ConfigError  # noqa: E402
+from configuration.fields import ConfigError  # noqa: E402
 
 _VALUE_FLAGS = {"--ngpu": "world", "--world-size": "world", "--world_size": "world", "--gpus-per-node": "gpn",
                 "--gpus_per_node": "gpn", "--device": "device"}

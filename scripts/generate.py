@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.checkpoint and not ns.hf_path:
         p.error("pass --checkpoint or --model.hf_path")
 
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     from trainer.data.tokenizer import build_tokenizer
 
     try:

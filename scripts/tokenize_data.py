@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.configurable import ConfigError  # noqa: E402
+from configuration.fields import ConfigError  # noqa: E402
 
 DEFAULT_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                  "tokenizer", "tokenizer.model")

@@ -25,7 +25,7 @@ from parallelisms.ac_trace import reset_ac_trace
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig, policy_for
 from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _tiny_deepseek
 from trainer.config import load_config
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 def test_knapsack_is_exact_on_a_known_instance_and_never_over_capacity():

@@ -31,7 +31,7 @@ from parallelisms.activation_checkpoint import (
     reset_ac_trace,
 )
 from trainer.config import load_config
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 aten = torch.ops.aten
 MODES = ("none", "full", "selective", "op")

@@ -257,7 +257,7 @@ def test_unwritable_folder_is_named_before_step_1(tmp_path, monkeypatch):
     another user's folder gives it; simulated, since CI runs as root)."""
     import errno
 
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     from trainer.errors import check_writable_folder
 
     (tmp_path / "f").write_text("x")
@@ -275,7 +275,7 @@ def test_unwritable_folder_is_named_before_step_1(tmp_path, monkeypatch):
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
                     reason="as root, file permissions do not stop writes (the EACCES path is tested above)")
 def test_read_only_folder_is_refused_by_the_os(tmp_path):
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     from trainer.errors import check_writable_folder
 
     ro = tmp_path / "ro"

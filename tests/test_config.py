@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import CONFIG_DIR, SECTIONS, help_text, load_config
-from trainer.configurable import ConfigError, field_docs
+from configuration.fields import ConfigError, field_docs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,7 +201,7 @@ def test_nan_in_toml_is_refused(tmp_path):
                                          ("llama_debug_3d.toml", 4), ("qwen3_8b.toml", 1), ("qwen3_30b_a3b.toml", 8)])
 def test_dry_run_checks_the_world_size_the_config_implies(name, world):
     """Before: the pre-launch check validated these against the local process count (1) and failed."""
-    from trainer.preflight import implied_world_size, layout_for
+    from trainer.layout import implied_world_size, layout_for
 
     cfg = load_config(["--config", name])
     assert implied_world_size(cfg.parallelism) == world

@@ -17,7 +17,7 @@ from parallelisms.context_parallel import check_context_parallel_layout, kv_repe
 from parallelisms.context_parallel_comm import (
     local_positions, natural_order, rank_order, reorder_chunks, shard_sequence, unshard_sequence)
 from tests.helpers import torchrun
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -160,11 +160,11 @@ def test_cp_plan_on_models_matches_unsharded(tmp_path):
 @pytest.mark.parametrize("config", ["llama8b_128k.toml", "llama_debug_cp.toml"])
 def test_cp_configs_pass_dry_run(config, capsys):
     from trainer.config import load_config
-    from trainer.train import dry_run
+    from trainer.config import print_model_summary
 
     cfg = load_config(["--config", config, "--job.dry_run"])  # layout validation runs here
     assert cfg.parallelism.context_parallel_degree > 1
-    assert dry_run(cfg)["params"] > 0 and "parameters:" in capsys.readouterr().out
+    assert print_model_summary(cfg)["params"] > 0 and "parameters:" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import trainer.data.datasets as datasets_mod
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data import DataConfig, build_dataloader, build_tokenizer
 from trainer.data.builtin_corpus import builtin_documents, file_docstrings, stdlib_root, stdlib_source_files
 from trainer.data.cache import cached_tokens

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data import DataConfig, build_dataloader, build_tokenizer
 
 TOKENIZER = str(REPO / "assets" / "tokenizer" / "tokenizer.model")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO, run_killing_group
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data import DataConfig, build_dataloader, build_tokenizer, tokenize_documents
 from trainer.data.pretokenize import KILL_ENV, tokenize_to_shards
 from trainer.data.shards import TokenShards

@@ -275,7 +275,7 @@ def test_resume_restores_expert_bias_bitwise(seed_root):
 ])
 def test_ep_config_errors_are_one_line(extra, needle):
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config([*BASE, *extra])

@@ -253,7 +253,7 @@ def test_run_train_starts_a_lighthouse_and_all_groups_resume_from_disk(tmp_path)
 ])
 def test_bad_fault_tolerance_config_is_one_line(args, expected):
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(COMMON[:2] + args)
@@ -264,7 +264,7 @@ def test_fault_tolerance_without_torchft_names_the_pip_command(monkeypatch):
     import importlib.util
 
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))

@@ -86,7 +86,7 @@ def test_float8_runs_scaled_mm_and_filters_match_patterns():
 
 def test_config_errors():
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     with pytest.raises(ConfigError, match="float8.enable_fsdp_float8_all_gather: needs recipe tensorwise"):
         load_config([*F8, "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather", "true"])

@@ -145,7 +145,7 @@ def test_bad_hf_inputs_are_one_line(hf_folders, tmp_path, capsys):
     line naming the field and what to pass. One case goes through run_train.sh: exit 2, no
     traceback."""
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     llama, deepseek = str(hf_folders["llama"]), str(hf_folders["deepseek"])
     cases = [

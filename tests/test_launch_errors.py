@@ -18,7 +18,7 @@ from trainer.launch import child_pids
 
 FAILING_WORKER = """
 import os, sys, time
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.errors import run_entry_point
 
 def main():

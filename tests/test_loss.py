@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from parallelisms.ac_measure import SavedActivationCounter
 from tests.helpers import TINY, losses_by_step, run_in_process, torchrun
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.loss import (
     IGNORE_INDEX,
     LinearCrossEntropyHead,

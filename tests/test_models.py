@@ -5,7 +5,7 @@ import torch
 
 from models.llama3 import LLAMA3_FLAVORS, Llama3
 from trainer.config import load_config
-from trainer.train import dry_run
+from trainer.config import print_model_summary
 
 
 @pytest.mark.parametrize("flavor, expected", [
@@ -17,7 +17,7 @@ def test_llama3_param_counts(flavor, expected):
 
 
 def test_dry_run_prints_counts_without_allocating(capsys):
-    summary = dry_run(load_config(["--config", "llama405b.toml"]))
+    summary = print_model_summary(load_config(["--config", "llama405b.toml"]))
     out = capsys.readouterr().out
     assert "parameters: 405,853,388,800" in out
     assert summary["flops_per_token"] > 6 * 405e9

@@ -258,7 +258,7 @@ def test_moe_fields_reach_the_model_and_bad_values_are_one_line():
     from models.deepseek_v3.model import moe_args_from as ds_moe
     from models.qwen3.model import moe_args_from as qwen_moe
     from trainer.config import load_config
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     ds = ["--model.name", "deepseek_v3", "--model.flavor", "debug"]
     qw = ["--model.name", "qwen3", "--model.flavor", "debug_moe"]

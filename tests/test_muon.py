@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import TINY, run_in_process
 from trainer.config import load_config
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.muon import Muon, newton_schulz, split_params, update_scale
 from trainer.optim import build_optimizer
 

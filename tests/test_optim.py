@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.optim import LRSchedulerConfig, build_lr_scheduler, lr_factor
 
 

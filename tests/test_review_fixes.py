@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import TINY, read_metrics, run_in_process
 from trainer.config import load_config
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 @pytest.fixture(autouse=True)

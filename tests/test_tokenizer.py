@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data.tokenizer import Tokenizer, build_tokenizer, special_token_names, write_tiktoken_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import TINY, read_metrics, run_in_process, tiny_seed_checkpoint, torchrun
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer import checkpoint_files as files
 from trainer.checkpoint_files import CheckpointError, choose_resume, list_checkpoints, refusal  # noqa: F401
 from trainer.checkpoint_staging import CachedStager
-from trainer.configurable import ConfigError, global_rank, opt
+from configuration.fields import ConfigError, opt
+from configuration.environment import global_rank
 from trainer.distributed import collective_timeout, exempt_from_train_timeout
 
 logger = logging.getLogger("trainer")

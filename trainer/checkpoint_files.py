@@ -43,7 +43,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP, OLD = ".tmp", ".old"
@@ -54,7 +54,7 @@ CRASH_ENV = "TITAN_CHECKPOINT_CRASH_AT"
 
 def crash_point(name: str, step: int) -> None:
     """Test hook: SIGKILL this process at `name` when TITAN_CHECKPOINT_CRASH_AT asks for it."""
-    from trainer.configurable import env_value
+    from configuration.environment import env_value
 
     want = env_value(CRASH_ENV)
     if not want:

@@ -21,12 +21,13 @@ from parallelisms.compile import CompileConfig
 from parallelisms.float8 import Float8Config
 from parallelisms.parallel_dims import ParallelismConfig
 from trainer.checkpoint import CheckpointConfig
-from trainer.configurable import ConfigError, field_docs, global_rank, opt, set_field
+from configuration.fields import ConfigError, field_docs, opt, set_field
+from configuration.environment import global_rank
 from trainer.data.config import NEEDS_PATH, DataConfig
 from trainer.fault_tolerance.config import FaultToleranceConfig
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsConfig
-from trainer.model_args import MoEConfig, check_hf_export, resolve_model
+from trainer.model_args import MoEConfig, check_hf_export, describe_args, model_label, resolve_model
 from trainer.optim import LRSchedulerConfig, OptimizerConfig
 from trainer.profiling import ProfilingConfig
 from trainer.validation import ValidationConfig
@@ -339,3 +340,20 @@ def main_guard(argv: list[str] | None = None, world_size: int | None = None) -> 
         if global_rank() == 0:
             print(str(e), file=sys.stderr)
         sys.exit(2)
+
+
+def print_model_summary(cfg) -> dict[str, float]:
+    """Builds the model on the meta device (no allocation) and prints what a user checks
+    before renting GPUs: the config, the model, its parameter count and FLOPs per token."""
+    from parallelisms.apply import build_model
+
+    model = build_model(cfg.model_spec, cfg.model_args)
+    summary = cfg.model_spec.summary_fn(model, cfg.model_args, cfg.training.seq_len)
+    print(format_config(cfg))
+    print(f"model: {model_label(cfg)}")
+    print(f"model args: {describe_args(cfg.model_args)}")
+    print(f"parameters: {int(summary['params']):,}")
+    if "activated_params" in summary:
+        print(f"activated parameters: {int(summary['activated_params']):,}")
+    print(f"FLOPs/token (seq_len {cfg.training.seq_len}): {summary['flops_per_token']:,.0f}")
+    return summary

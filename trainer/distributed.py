@@ -19,7 +19,7 @@ import torch.distributed as dist
 def pick_device(preference: str = "auto") -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from trainer.configurable import ConfigError
+            from configuration.fields import ConfigError
             raise ConfigError("config error: training.device: cuda requested but no GPU is visible; "
                               "use --training.device cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -32,8 +32,8 @@ HANG_KEY = "titan_hang"  # a rank that stopped responding (trainer/fault_toleran
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is a one-line answer for the user, not a bug report."""
     from models.hf_config import HFConfigError
-    from trainer.checkpoint import CheckpointError
-    from trainer.configurable import ConfigError
+    from trainer.checkpoint_files import CheckpointError
+    from configuration.fields import ConfigError
     from trainer.step_guard import TrainingDiverged
 
     return ConfigError, CheckpointError, HFConfigError, TrainingDiverged
@@ -67,7 +67,7 @@ def _write_error_file(message: str, *, user_error: bool, callstack: str = "", ha
 
 def report_user_error(message: str) -> int:
     """Prints (rank 0) or hands to the launcher agent the one-line `message`; returns the exit code."""
-    from trainer.configurable import env_flag, global_rank
+    from configuration.environment import env_flag, global_rank
 
     message = " ".join(str(message).split("\n"))
     if env_flag(AGENT_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -79,7 +79,7 @@ def report_user_error(message: str) -> int:
 
 def report_hang(line: str, *, printer: bool) -> None:
     """A hang's one line (trainer/fault_tolerance/hang.py): to the launcher agent, or printed by `printer`."""
-    from trainer.configurable import env_flag
+    from configuration.environment import env_flag
 
     if env_flag(AGENT_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         _write_error_file(line, user_error=False, hang=True)
@@ -107,7 +107,7 @@ def run_entry_point(main: Callable[[], int]) -> int:
 def check_writable_folder(folder: str | os.PathLike, key: str) -> None:
     """Creates `folder` if needed and writes a probe file into it, so that a read-only or full
     output folder fails before step 1 (as a ConfigError naming `key`), not at the first save."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     probe = os.path.join(folder, f".titan_write_probe.{os.getpid()}")
     try:

@@ -258,7 +258,7 @@ def load_hf_into_model(model_parts: list[torch.nn.Module], folder: str | Path) -
 
 def load_hf_weights(model_parts: list[torch.nn.Module], folder: str | Path) -> None:
     """`load_hf_into_model` for `--model.hf_path`: a bad folder is one ConfigError line."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     try:
         load_hf_into_model(model_parts, folder)

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.configurable import opt
+from configuration.fields import opt
 
 IGNORE_INDEX = -100
 
@@ -49,7 +49,7 @@ class LossConfig:
                             "0.1).", min=0.0)
 
     def validate(self, root) -> None:
-        from trainer.configurable import ConfigError
+        from configuration.fields import ConfigError
 
         if root.model.mtp_depth >= root.training.seq_len:
             raise ConfigError(f"config error: model.mtp_depth: {root.model.mtp_depth} MTP depths leave no token to "

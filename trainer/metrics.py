@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.configurable import opt
+from configuration.fields import opt
 
 
 @dataclass

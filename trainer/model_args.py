@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 DEFAULT_MODEL, DEFAULT_FLAVOR = "llama3", "debug"
 

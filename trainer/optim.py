@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 
 @dataclass

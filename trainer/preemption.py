@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 
-from trainer.configurable import env_value, global_rank
+from configuration.environment import env_value, global_rank
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

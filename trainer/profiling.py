@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.configurable import opt
+from configuration.fields import opt
 
 
 @dataclass

@@ -26,18 +26,19 @@ from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
-from trainer.config import DEFAULT_TOKENIZER, JobConfig, format_config, main_guard
-from trainer.configurable import ConfigError, global_rank
+from trainer.config import DEFAULT_TOKENIZER, JobConfig, main_guard, print_model_summary
+from configuration.fields import ConfigError
+from configuration.environment import global_rank
 from trainer.errors import report_user_error, run_entry_point
 from trainer.fault_tolerance.config import data_slice, log_folder
 from trainer.fault_tolerance.hang import HangWatch, inject_test_faults
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per_token
-from trainer.model_args import check_tokenizer_fits, describe_args, model_label, tokenizer_path
+from trainer.layout import batch_layout
+from trainer.model_args import check_tokenizer_fits, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
-from trainer.preflight import batch_layout
 from trainer.profiling import MemorySnapshotter, maybe_profile
 from trainer.step_guard import StepGuard
 from trainer.validation import build_validator, training_holdout
@@ -49,22 +50,6 @@ def setup_logging() -> None:
     rank = global_rank()
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
-
-
-def dry_run(cfg: JobConfig) -> dict[str, float]:
-    """Builds the model on the meta device (no allocation) and prints what a user checks before renting GPUs."""
-    from parallelisms.apply import build_model
-
-    model = build_model(cfg.model_spec, cfg.model_args)
-    summary = cfg.model_spec.summary_fn(model, cfg.model_args, cfg.training.seq_len)
-    print(format_config(cfg))
-    print(f"model: {model_label(cfg)}")
-    print(f"model args: {describe_args(cfg.model_args)}")
-    print(f"parameters: {int(summary['params']):,}")
-    if "activated_params" in summary:
-        print(f"activated parameters: {int(summary['activated_params']):,}")
-    print(f"FLOPs/token (seq_len {cfg.training.seq_len}): {summary['flops_per_token']:,.0f}")
-    return summary
 
 
 @dataclass
@@ -424,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = main_guard(argv, world_size=tdist.world_size())
     if cfg.job.dry_run:
-        dry_run(cfg)
+        print_model_summary(cfg)
         return 0
     Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
     try:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 logger = logging.getLogger("trainer")
 VALIDATION_SEED_OFFSET = 1_000_003  # a synthetic validation source must not replay training's samples

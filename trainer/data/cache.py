@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from trainer.configurable import env_value
+from configuration.environment import env_value
 
 logger = logging.getLogger(__name__)
 

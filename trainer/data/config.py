@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 SOURCE_TYPES = ("builtin", "synthetic", "files", "tokens", "stream")
 NEEDS_PATH = ("files", "tokens", "stream")

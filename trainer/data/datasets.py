@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data.builtin_corpus import builtin_documents
 from trainer.data.cache import cached_tokens, token_dtype
 from trainer.data.documents import iter_records, list_input_files

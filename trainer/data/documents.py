@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 JSONL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
 TEXT_EXTENSIONS = (".txt",)

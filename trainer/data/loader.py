@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data.config import SOURCE_TYPES, DataConfig, SourceSpec
 from trainer.data.datasets import builtin_tokens, files_tokens
 from trainer.data.shards import TokenShards, tokenizer_hash

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 
 def document_inputs(inputs: torch.Tensor, bos_id: int | None, eos_id: int | None = None) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from trainer.configurable import ConfigError, env_value
+from configuration.fields import ConfigError
+from configuration.environment import env_value
 from trainer.data.cache import token_dtype
 from trainer.data.documents import iter_records, list_input_files
 from trainer.data.shards import FORMAT, MANIFEST, VERSION, ShardWriter, tokenizer_hash, write_json_atomic

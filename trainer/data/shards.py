@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 FORMAT = "titanlite-token-shards"
 VERSION = 1

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.data.documents import file_records, list_input_files, row_group_records
 from trainer.data.sampling import Permutation, derive_keys
 

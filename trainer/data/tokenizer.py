@@ -36,7 +36,7 @@ from typing import Any
 
 import tiktoken
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 
 # Llama 3's pre-tokenizer: contractions, letter runs with one optional leading
 # non-letter, numbers of up to 3 digits, punctuation runs, newlines, whitespace.

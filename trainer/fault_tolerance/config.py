@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from trainer.configurable import ConfigError, opt
+from configuration.fields import ConfigError, opt
 
 TORCHFT_PIP = "pip install 'torchft==0.2.0' (or pip install -e '.[ft]')"
 

@@ -256,7 +256,7 @@ def inject_test_faults(rank: int, step: int) -> None:
     """Test hooks (ENV_KNOBS): TITAN_TEST_STOP_RANK=<rank>@<step> SIGSTOPs that rank at the start
     of that step; TITAN_TEST_SLOW_RANK=<rank>:<seconds>[@<first step>] sleeps that long in that rank's
     every step (from that step on)."""
-    from trainer.configurable import env_value
+    from configuration.environment import env_value
 
     stop = env_value("TITAN_TEST_STOP_RANK")
     if stop and stop == f"{rank}@{step}":

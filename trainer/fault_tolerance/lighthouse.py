@@ -19,7 +19,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from trainer.configurable import ConfigError
+from configuration.fields import ConfigError
 from trainer.fault_tolerance.config import lighthouse_url
 
 # A group that stops heartbeating is out of the quorum after this long (torchft's default 5 s).

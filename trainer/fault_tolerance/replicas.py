@@ -57,7 +57,7 @@ class ReplicaGroups:
         self.cfg = cfg
         self.group_rank = dist.get_rank() if dist.is_initialized() else 0
         if cfg.lighthouse is None:
-            from trainer.configurable import ConfigError
+            from configuration.fields import ConfigError
 
             raise ConfigError("config error: fault_tolerance.lighthouse: not set; ./run_train.sh starts one for a "
                               "one-group run, otherwise start python -m trainer.fault_tolerance.lighthouse and give "
@@ -119,7 +119,7 @@ class ReplicaGroups:
 
     def dump_for_test(self) -> None:
         """TITAN_TEST_FT_STATE: this rank's final state, for the bitwise comparison across groups."""
-        from trainer.configurable import env_value
+        from configuration.environment import env_value
 
         prefix = env_value("TITAN_TEST_FT_STATE")
         if prefix:

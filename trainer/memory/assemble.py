@@ -101,7 +101,7 @@ def chunked_ce_allowed(cfg) -> bool:
     """Whether the config's own validators accept `loss.chunked_ce = true` for this layout
     and model (asked of them, not restated: TP, PP, MTP...)."""
     from parallelisms.parallel_dims import check_layout
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
 
     try:
         check_layout(cfg.parallelism, cfg.model_args, seq_len=cfg.training.seq_len,

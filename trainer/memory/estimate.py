@@ -260,7 +260,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
                     config_name: str = "", overheads: GpuOverheads | None = None) -> MemoryEstimate:
     """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks.
     On CUDA, `overheads` (default `GpuOverheads()`) gives the device terms beyond tensors."""
-    from trainer.configurable import ConfigError
+    from configuration.fields import ConfigError
     from trainer.model_args import model_label
 
     if cfg.model_args is None:  # a JobConfig built in code, not by load_config
