@@ -70,8 +70,7 @@ def reference_plan(plan: Plan) -> Plan:
             break
     rep = 2 if plan.dp_replicate > 1 else 1
     if plan.pp > 1:
-        from parallelisms.parallel_dims import check_pipeline_layout  # noqa: F401 (the rule below is its minimum)
-
+        # The fewest microbatches each schedule accepts (parallel_dims.check_pipeline_layout refuses fewer).
         need = {"1F1B": plan.pp, "Interleaved1F1B": plan.pp, "InterleavedZeroBubble": plan.pp,
                 "ZBVZeroBubble": plan.pp, "DualPipeV": plan.pp * plan.stages_per_rank}.get(plan.schedule, 1)
         mb, lb = 1, need

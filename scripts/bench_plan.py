@@ -12,7 +12,6 @@ The machine is shared: search times are wall and process CPU seconds, side by si
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path

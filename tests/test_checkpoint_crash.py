@@ -121,7 +121,7 @@ def test_on_corrupt_fallback_sets_damage_aside_and_resumes_exactly(tmp_path, cap
     (seen by its checksum). stop (the default) refuses step-6 in one line, before launch too;
     fallback renames both to step-N.corrupt with one log line each and resumes from step 2,
     and steps 3-6 then equal the uninterrupted run's bitwise."""
-    from trainer.checkpoint import CheckpointConfig, check_checkpoint_paths
+    from trainer.checkpoint_config import CheckpointConfig, check_checkpoint_paths
 
     args = COMMON + ["--job.dump_folder", str(tmp_path)]
     reference, _ = run_in_process(args)  # steps 1..6, saves 2, 4, 6

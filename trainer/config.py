@@ -20,7 +20,7 @@ from parallelisms.activation_checkpoint import ActivationCheckpointConfig
 from parallelisms.compile import CompileConfig
 from parallelisms.float8 import Float8Config
 from parallelisms.parallel_dims import ParallelismConfig
-from trainer.checkpoint import CheckpointConfig
+from trainer.checkpoint_config import CheckpointConfig
 from configuration.fields import ConfigError, field_docs, opt, set_field
 from configuration.environment import global_rank
 from trainer.data.config import NEEDS_PATH, DataConfig

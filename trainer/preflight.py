@@ -32,7 +32,7 @@ def check_runtime(cfg) -> None:
     """What a worker would find wrong before step 1, cheaply: device, tokenizer, token folders
     made with another tokenizer, writable output folders, initial weights."""
     from trainer import distributed as tdist
-    from trainer.checkpoint import check_checkpoint_paths
+    from trainer.checkpoint_config import check_checkpoint_paths
     from trainer.config import DEFAULT_TOKENIZER
     from trainer.data.loader import check_token_folders
     from trainer.data.tokenizer import build_tokenizer
