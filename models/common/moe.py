@@ -383,7 +383,7 @@ class MoE(nn.Module):
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / bsz
             # "batch" treats the forward's tokens as one sequence: [N, K] ids -> 1 x (N * K) picks.
             # Its share is that of every sequence the data ranks route together (the count
-            # reduce's batch slices: other data ranks' sequences), as one global-batch loss.
+            # reduce's batch slices: other data ranks' sequences), as one loss over their batch.
             per_batch = self.args.aux_loss_scope == "batch"
             batch_seqs = bsz * getattr(self.aux_loss_count_reduce, "batch_slices", 1) if per_batch else 1
             aux = (self.args.aux_loss_coeff * scale * batch_seqs) * sequence_balance_loss(
