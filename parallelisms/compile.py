@@ -125,7 +125,7 @@ def moe_layers(module: nn.Module) -> list:
 def traces_whole(moe, compute_dtype: torch.dtype | None) -> bool:
     """Whether `moe`'s forward is one graph: no EP dispatcher, and grouped GEMMs that trace
     (bf16, 16-byte rows) rather than the per-expert loop."""
-    from models.common.moe import grouped_mm_supported
+    from models.common.grouped_gemm import grouped_mm_supported
 
     if moe.token_dispatcher is not None or not moe.experts.use_grouped_mm or compute_dtype != torch.bfloat16:
         return False
@@ -146,7 +146,7 @@ def compile_woven(block: nn.Module, compile_cfg: CompileConfig) -> None:
 
 
 def compile_moe(moe, compile_cfg: CompileConfig) -> None:
-    from models.common.moe import experts_grouped_mm
+    from models.common.grouped_gemm import experts_grouped_mm
 
     # An instance attribute shadows the method: dynamo sees a disabled call and breaks there.
     moe.run_experts = torch.compiler.disable(moe.run_experts, recursive=True)

@@ -69,9 +69,9 @@ def add_sequence_shard_mesh(model: nn.Module, mesh) -> int:
 
 
 def add_batch_shard_mesh(model: nn.Module, dp_mesh) -> int:
-    """Every MoE layer of `model` whose balance loss is batch-scope (Qwen3's global-batch
-    loss) sums its pick counts over the data-parallel mesh too, so f_i is that of the whole
-    batch the data ranks route together, as on one rank. Sequence-scope layers are left
+    """Every MoE layer of `model` whose balance loss is batch-scope (Qwen3's) sums its pick
+    counts over the data-parallel mesh too, so f_i is that of the whole batch the data ranks
+    route together in one forward, as on one rank. Sequence-scope layers are left
     alone (their sequences are whole on each data rank). Returns the layers touched."""
     from models.common.moe import MoE
 

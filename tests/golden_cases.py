@@ -81,11 +81,12 @@ CASES: list[Case] = [
                                            "--training.local_batch_size", "2"], ("fsdp2",)),
     # Qwen3: QK-norm, head_dim != dim / heads, tied head (so no PP: refused with tied embeddings).
     Case("qwen3_debug", [*QWEN3], ("fsdp2", "tp2")),
-    # Qwen3-MoE: softmax top-2 with normalised weights, batch-scope balance loss, untied. No
-    # layouts: the "batch" balance loss is over each forward's tokens, so 2 ranks of 2 sequences
-    # compute another loss than 1 rank of 4 (EP 2: grad norm 7.5e-7 off at step 1, 1.2e-5 by
-    # step 6); with moe.aux_loss_coeff 0, EP 2 and FSDP 2 match one rank within 1.2e-7.
-    Case("qwen3_moe_debug", [*QWEN3_MOE]),
+    # Qwen3-MoE: softmax top-2 with normalised weights, batch-scope balance loss, untied. FSDP 2
+    # and EP 2 (2 sequences per rank) match the one-rank forward of 4 because the batch loss's
+    # pick counts are summed over the data ranks (parallelisms/sequence_shards.py); without
+    # that sum EP 2 was 1.2e-5 off by step 6. No PP 2: it would cut a forward into microbatches
+    # of 1, each its own batch loss (docs/moe.md, "batch aux loss").
+    Case("qwen3_moe_debug", [*QWEN3_MOE], ("fsdp2", "ep2")),
 ]
 BY_NAME = {c.name: c for c in CASES}
 

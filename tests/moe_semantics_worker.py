@@ -28,25 +28,21 @@ from tests.ep_worker import snapshot  # noqa: E402  (also registers the `ep_test
 def recording_loads():
     """Yields a list that gets, per optimizer step, the [L, E] loads behind the bias update
     (what `update_moe_load_balance_bias` returns), for every MoE model spec."""
-    import models.common.moe as moe
-    import models.deepseek_v3 as deepseek
-    import models.qwen3 as qwen3
+    import models.common.moe_balance as balance
 
     loads: list[torch.Tensor] = []
 
     def update(*args, **kwargs):
-        counts = moe.update_moe_load_balance_bias(*args, **kwargs)
+        counts = real(*args, **kwargs)
         loads.append(counts.clone() if counts is not None else torch.empty(0))  # (a stage without MoE layers)
         return counts
 
-    saved = [(m, m.update_moe_load_balance_bias) for m in (deepseek, qwen3)]
-    for m, _ in saved:
-        m.update_moe_load_balance_bias = update
+    real = balance.update_moe_load_balance_bias  # what `moe_post_optimizer_step` calls, for every MoE spec
+    balance.update_moe_load_balance_bias = update
     try:
         yield loads
     finally:
-        for m, fn in saved:
-            m.update_moe_load_balance_bias = fn
+        balance.update_moe_load_balance_bias = real
 
 
 def train(args: list[str], destroy_process_group: bool = True):

@@ -88,13 +88,13 @@ def test_each_step_once_in_metrics_after_resume(tmp_path):
 def test_expert_load_metrics_only_on_logging_steps(monkeypatch, tmp_path):
     """The load metrics cost a device-to-host copy: a step that is not logged skips them (the
     bias update still runs every step)."""
-    import models.deepseek_v3 as ds
+    import models.common.moe_balance as balance
     from trainer.config import load_config
     from trainer.train import Trainer
 
     calls = []
-    real = ds.expert_load_metrics
-    monkeypatch.setattr(ds, "expert_load_metrics", lambda *a: calls.append(1) or real(*a))
+    real = balance.expert_load_metrics
+    monkeypatch.setattr(balance, "expert_load_metrics", lambda *a: calls.append(1) or real(*a))
     trainer = Trainer(load_config(["--config", "deepseek_debug.toml", "--data.type", "synthetic", "--training.seq_len",
                                    "32", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
                                    "--job.dump_folder", str(tmp_path)]))

@@ -5,20 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.common.moe as moe_mod
-from models.common.moe import (
-    GroupedExperts,
-    MoE,
-    MoEArgs,
-    TopKRouter,
-    experts_grouped_mm,
-    experts_loop,
-    grouped_mm_supported,
-    moe_aux_loss,
-    select_experts,
-    sequence_balance_loss,
-    update_moe_load_balance_bias,
-)
+import models.common.moe_balance as balance_mod
+from models.common.grouped_gemm import experts_grouped_mm, experts_loop, grouped_mm_supported
+from models.common.moe import GroupedExperts, MoE, MoEArgs, TopKRouter, select_experts, sequence_balance_loss
+from models.common.moe_balance import moe_aux_loss, update_moe_load_balance_bias
 
 # ----------------------------------------------------------------------------- routing
 
@@ -281,8 +271,8 @@ def test_bias_update_all_reduces_over_group(monkeypatch):
         t.mul_(2)
         t[:, 1] += 100  # another rank saw many tokens for expert 1
 
-    monkeypatch.setattr(moe_mod.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(moe_mod.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(balance_mod.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(balance_mod.dist, "all_reduce", fake_all_reduce)
     update_moe_load_balance_bias([m], coeff=0.01, dp_group="GROUP")
     assert calls == ["GROUP"]
     torch.testing.assert_close(m.expert_bias, torch.tensor([1, -1, 1, 1, 1, 1, 1, 1.0]) * 0.01)

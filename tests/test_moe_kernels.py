@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.common.moe import (MoEArgs, TopKRouter, experts_grouped_mm, experts_loop, grouped_mm_alignment,
-                               padded_group_layout)
+from models.common.grouped_gemm import experts_grouped_mm, experts_loop, grouped_mm_alignment, padded_group_layout
+from models.common.moe import MoEArgs, TopKRouter
 
 
 def _weights(e=4, d=16, h=32, seed=0):

@@ -198,6 +198,18 @@ def _aux(moe, x, **kw) -> torch.Tensor:
     return moe.aux_loss.clone()
 
 
+class _Counts:
+    """A stand-in for parallelisms/sequence_shards.py's count reduce on one rank: returns the
+    counts summed over every rank (`total`) and the number of slices; `batch_slices` is how
+    many data ranks' forwards the batch scope's one group spans."""
+
+    def __init__(self, total, slices: int, batch_slices: int = 1):
+        self.total, self.slices, self.batch_slices = total, slices, batch_slices
+
+    def __call__(self, counts):
+        return self.total, self.slices
+
+
 @pytest.mark.parametrize("scope", ["sequence", "batch"])
 def test_aux_loss_scope_of_one_forward(scope):
     """Rows "sequence aux loss" and "batch aux loss", on one layer, against the definitions:
@@ -205,9 +217,11 @@ def test_aux_loss_scope_of_one_forward(scope):
     sequence: coeff / G x sum over its sequences of sum_i f_i P_i (each sequence's own f, P);
     batch:    coeff x b / G x sum_i f_i P_i over all b x S tokens (one f, P for the forward).
     f_i = E / (K T) x picks of expert i among T tokens; P_i = mean normalised score of i.
-    So splitting a forward in two (accumulation, or dp ranks) keeps the sequence loss and
-    changes the batch loss; a sequence split over ranks (CP, SP), whose pick counts are
-    summed over the slices (`aux_loss_count_reduce`), gives the whole forward's loss."""
+    So splitting a forward in two forwards on one rank (accumulation, PP microbatches) keeps
+    the sequence loss and changes the batch loss; a sequence split over ranks (CP, SP), whose
+    pick counts are summed over the slices (`aux_loss_count_reduce`), gives the whole
+    forward's loss, and so does, for the batch scope, a batch split over data ranks whose
+    counts are summed over the dp mesh (`add_batch_shard_mesh`)."""
     from models.common.moe import MoE, MoEArgs
 
     torch.manual_seed(0)
@@ -246,8 +260,17 @@ def test_aux_loss_scope_of_one_forward(scope):
     for h in halves:
         _aux(moe, h, count_reduce=collect)
     total = picks[0] + picks[1]
-    sliced = sum(_aux(moe, h, count_reduce=lambda c: (total, 2)).item() for h in halves)
+    sliced = sum(_aux(moe, h, count_reduce=_Counts(total, 2)).item() for h in halves)
     assert sliced == pytest.approx(whole, rel=1e-5)
+
+    if scope == "batch":  # one sequence on each of 2 data ranks, counts summed over dp
+        rows = [x[:1], x[1:]]
+        picks.clear()
+        for r in rows:
+            _aux(moe, r, count_reduce=collect)
+        total = picks[0] + picks[1]
+        over_dp = sum(_aux(moe, r, count_reduce=_Counts(total, 2, batch_slices=2)).item() for r in rows)
+        assert over_dp == pytest.approx(whole, rel=1e-5)
 
 
 # --------------------------------------------------------------------------- config fields
@@ -304,8 +327,9 @@ DS_LAYOUTS = {
     "ds_ep2": ([_LB, "2", "--parallelism.expert_parallel_degree", "2"], 1),
 }
 QW_LAYOUTS = {
-    "qw_fsdp2": [_LB, "1"],  # batch scope: one forward = one sequence per rank
-    "qw_cp2": [_LB, "2", *_CP2],  # batch scope over whole sequences: the one-rank forward of 2
+    "qw_fsdp2": [_LB, "1"],  # one sequence per rank, pick counts summed over dp: the one-rank forward of 2
+    "qw_cp2": [_LB, "2", *_CP2],  # whole sequences (counts summed over cp): the one-rank forward of 2
+    "qw_pp2": [_LB, "2", "--parallelism.pipeline_parallel_degree", "2"],  # 2 microbatches of 1, each its own counts
 }
 
 
@@ -378,17 +402,17 @@ def test_bias_update_loads_and_reduction_per_layout(semantics_runs):
 @pytest.mark.timeout(1200)
 def test_aux_loss_scopes_per_layout(semantics_runs):
     """Rows "sequence aux loss" and "batch aux loss" end to end (Qwen3 debug_moe, the loss at
-    coefficient 2). Batch scope: a forward's tokens are one group, so FSDP 2 with one sequence
-    per rank equals one rank accumulating 2 microbatches of 1, not one forward of 2; CP 2
-    (each rank half of both sequences) equals the one-rank forward of 2 (whole sequences).
-    DeepSeek's sequence scope under
+    coefficient 2). Batch scope: one group per forward over the data ranks, so FSDP 2 with one
+    sequence per rank (counts summed over dp) equals one rank's single forward of 2, and so
+    does CP 2 (each rank half of both sequences); PP 2 (2 microbatches of 1) equals one rank
+    accumulating 2 microbatches of 1, and the two cuts differ. DeepSeek's sequence scope under
     dp, tp with SP, pp, ep and accumulation is tests/test_moe_balance.py; under CP,
     test_sequence_aux_loss_under_cp_equals_one_rank above."""
     ref, runs = semantics_runs
     apart = _grad_rel(ref["qw_accum2"]["grads"], ref["qw_batch2"]["grads"])
     print(f"\nbatch scope: 2 forwards of 1 vs 1 forward of 2, grads rel {apart:.2e}")
     assert apart > 1e-3  # the scope matters at this coefficient
-    for name, want in (("qw_fsdp2", "qw_accum2"), ("qw_cp2", "qw_batch2")):
+    for name, want in (("qw_fsdp2", "qw_batch2"), ("qw_cp2", "qw_batch2"), ("qw_pp2", "qw_accum2")):
         got, exp = runs[name], ref[want]
         loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], exp["losses"]))
         grad = _grad_rel(got["grads"], exp["grads"])

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.common.moe import set_aux_loss_sequences
+from models.common.moe_balance import set_aux_loss_sequences
 from parallelisms.apply import autocast_context, build_model_parts, resolve_precision
 from parallelisms.grad_clip import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims

@@ -1,7 +1,6 @@
 """DeepSeek V3: the spec the trainer sees."""
 
-from models.common.moe import (MoE, MoEArgs, discard_moe_loads, moe_aux_loss, moe_post_optimizer_step,
-                               update_moe_load_balance_bias)
+from models.common.moe_balance import discard_moe_loads, moe_post_optimizer_step
 from models.deepseek_v3.ac import AC_POLICIES
 from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from models.deepseek_v3.model import DeepSeekV3, count_params, interleaved_to_half_perm
@@ -12,7 +11,7 @@ from models.spec import ModelSpec
 
 def post_optimizer_step(model, parallel_dims=None, *, with_metrics: bool = True) -> dict[str, float]:
     """ModelSpec.post_optimizer_step_fn: the aux-loss-free bias update at `load_balance_coeff`
-    and this step's expert-load metrics (models.common.moe.moe_post_optimizer_step)."""
+    and this step's expert-load metrics (models.common.moe_balance.moe_post_optimizer_step)."""
     return moe_post_optimizer_step(model, parallel_dims, with_metrics=with_metrics, default_coeff=1e-3)
 
 
@@ -38,5 +37,4 @@ spec = ModelSpec(
 
 __all__ = [
     "spec", "DeepSeekV3", "DeepSeekV3Args", "DEEPSEEK_V3_FLAVORS", "count_params", "interleaved_to_half_perm",
-    "MoE", "MoEArgs", "moe_aux_loss", "update_moe_load_balance_bias",
 ]

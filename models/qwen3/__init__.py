@@ -1,6 +1,6 @@
 """Qwen3, dense and MoE: the spec the trainer sees (one family; a MoE flavor has routed experts)."""
 
-from models.common.moe import discard_moe_loads, moe_post_optimizer_step
+from models.common.moe_balance import discard_moe_loads, moe_post_optimizer_step
 from models.deepseek_v3.ac import AC_POLICIES
 from models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from models.qwen3.model import Qwen3, count_params
