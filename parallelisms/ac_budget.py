@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from parallelisms.ac_ops import D2H_OPS, MATMUL_OPS, has_flop_formula, is_device_to_host, is_runtime_op, op_flops, op_key
-from parallelisms.ac_sac import PACK_LISTENERS, block_kind, plain_tensors, tracing_for_compile
+from parallelisms.ac_dce import PACK_LISTENERS, block_kind
+from parallelisms.ac_sac import plain_tensors, tracing_for_compile
 from parallelisms.ac_trace import trace_enabled, trace_line
 from parallelisms.activation_checkpoint import OpSAC
 

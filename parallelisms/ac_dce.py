@@ -12,7 +12,8 @@ which ops the recompute must run. Later calls of the block then
 - keep a few more outputs (`promote`): outputs of at most 1/32 of the block's largest
   activation (RMSNorm's reciprocal root, [tokens, 1]), and the inputs of each kept
   attention op (the rotated q and k, instead of the matmul outputs they come from), so
-  that the chains behind them are dead;
+  that the chains behind them are dead. Matmul outputs are never promoted: which of
+  them are kept stays the policy's choice (alternation, force-recompute patterns);
 - answer the dead ops with a `Placeholder` (an empty tensor of the recorded shape, never
   read), or, for an in-place op on a dead tensor, with its input: nothing runs;
 - release cached outputs nobody reads (the q projection, once its rotation is kept).
@@ -31,21 +32,67 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_leaves
+
+from parallelisms.ac_ops import MATMUL_OPS
+
+# Callables given every tensor autograd packs inside a checkpointed forward (while the
+# checkpoint was given `determinism_check=PACK_PROBE`).
+PACK_LISTENERS: list = []
+PACK_PROBE = "titanlite_pack_probe"
+
+
+def _pack_probe(x: torch.Tensor):
+    from torch.utils.checkpoint import _default_meta_extractor
+    for listener in PACK_LISTENERS:
+        listener(x)
+    return _default_meta_extractor(x)
+
+
+def register_pack_probe() -> str | None:
+    """Registers the pack-observing determinism check with torch's checkpoint; returns its
+    name for `checkpoint(determinism_check=...)`, or None if this torch has no such
+    registry (then nothing observes the packs: no recompute plan is made)."""
+    try:
+        from torch.utils import checkpoint as ckpt
+        ckpt._allowed_determinism_checks_to_fns[PACK_PROBE] = _pack_probe
+        return PACK_PROBE
+    except Exception:  # noqa: BLE001 - private API
+        return None
+
+
+def block_kind(block: nn.Module | None) -> tuple:
+    """Blocks with the same class and parameter shapes run the same ops (they share a
+    memory-budget measurement)."""
+    if block is None:
+        return ()
+    return type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+
 
 # A cached output at most this fraction of the block's largest activation is kept.
 TINY_FRACTION = 32
 
 
-def _storage_keys(tree) -> list:
+def _storage_keys(tree, alive: list | None = None) -> list:
+    """The storages of the tensors in `tree`, as keys (None where a tensor has none). With
+    `alive`, the storages are held there, so that no address is reused while recording."""
     keys = []
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
             try:
-                keys.append(leaf.untyped_storage()._cdata)
+                storage = leaf.untyped_storage()
+                keys.append(storage._cdata)
+                if alive is not None:
+                    alive.append(storage)
             except Exception:  # noqa: BLE001 - tensor subclasses, storage-less tensors
                 keys.append(None)
     return keys
+
+
+def _plain(t) -> bool:
+    """A tensor a Placeholder can stand for: plain (or fake, when counting), not a subclass."""
+    return type(t) is torch.Tensor or type(t).__name__ == "FakeTensor"
 
 
 @dataclass
@@ -73,16 +120,17 @@ class CallRecorder:
     packed: set = field(default_factory=set)  # events whose outputs autograd packs
     stop: int = 0  # events dispatched before the last pack (what the recompute re-runs)
     counts: dict | None = None  # the SAC mode's per-op counts when the forward ended
+    alive: list = field(default_factory=list)  # every storage seen (one block's activations, this call only)
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
-        in_keys = _storage_keys((args, kwargs))
-        out_keys = _storage_keys(out)
+        in_keys = _storage_keys((args, kwargs), self.alive)
+        out_keys = _storage_keys(out, self.alive)
         producer = self.producer
         inputs = {producer[k] for k in in_keys if k in producer}
         schema = getattr(func, "_schema", None)
         mutable = schema is None or schema.is_mutable
         aten = isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
-        plain = type(out) is torch.Tensor
+        plain = _plain(out)
         random = aten and torch.Tag.nondeterministic_seeded in func.tags
         alias_key = next((k for k in out_keys if k is not None and k in in_keys), None)
         alias_of = producer.get(alias_key) if alias_key is not None and not mutable else None
@@ -99,8 +147,7 @@ class CallRecorder:
             producer[k] = i
             if not mutable and not is_view:
                 self.origin[k] = i
-        nbytes = sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
-                     if type(t) is torch.Tensor) if placeholder else 0
+        nbytes = out.untyped_storage().nbytes() if placeholder else 0
         self.events.append(_Event(func, index, saved, verdict, inputs, alias_of, placeholder, inplace_skip,
                                   must_run=not (placeholder or inplace_skip or is_view), nbytes=nbytes))
 
@@ -136,23 +183,26 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
     memory budget keeps exactly what it chose: False)."""
     events, stop = rec.events, rec.stop
     saved = [e.saved for e in events]
-    promoted: list[int] = []
+
+    def promotable(e: _Event) -> bool:  # matmuls stay the policy's (alternation, force-recompute)
+        return not e.saved and e.placeholder and not e.mutated_later and e.verdict == "RECOMPUTE" \
+            and getattr(e.func, "overloadpacket", e.func) not in MATMUL_OPS
+
+    promoted: dict[int, None] = {}  # (ordered, without repeats)
     if promote and events:
         largest = max((e.nbytes for e in events), default=0)
         for i in range(stop):
             e = events[i]
-            if not e.saved and e.placeholder and not e.mutated_later and e.nbytes * TINY_FRACTION <= largest \
-                    and e.verdict == "RECOMPUTE":
-                promoted.append(i)
+            if promotable(e) and 0 < e.nbytes * TINY_FRACTION <= largest:
+                promoted[i] = None
         for i in range(stop):
             e = events[i]
             if e.saved and getattr(e.func, "overloadpacket", e.func) in attention_ops:
                 for p in e.inputs:
                     while events[p].alias_of is not None:
                         p = events[p].alias_of
-                    src = events[p]
-                    if not src.saved and src.placeholder and not src.mutated_later and src.verdict == "RECOMPUTE":
-                        promoted.append(p)
+                    if promotable(events[p]):
+                        promoted[p] = None
         for i in promoted:
             saved[i] = True
     needed = [False] * len(events)
@@ -180,10 +230,8 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
         needed[i] = True
         for p in e.inputs:
             needed[p] = True
-    keep: dict = {}
-    for i in set(promoted) | {i for i in placeholders if not saved[i] or not events[i].saved}:
-        keep.setdefault(id(events[i].func), set()).add(events[i].index)
-    for i in placeholders:
+    keep: dict = {}  # the forward caches these; a placeholder's entry gives it its metadata
+    for i in [*promoted, *placeholders]:
         keep.setdefault(id(events[i].func), set()).add(events[i].index)
     return RecomputePlan(
         keep={k: frozenset(v) for k, v in keep.items()},

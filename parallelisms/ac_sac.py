@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallelisms.ac_dce import CallRecorder, make_plan
+from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, make_plan
 from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
 from parallelisms.ac_trace import trace, trace_line
 
@@ -40,39 +40,6 @@ SAC_CACHE_LISTENERS: list = []
 
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 _SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
-# Callables given every tensor autograd packs inside a checkpointed forward (while the
-# checkpoint was given `determinism_check=PACK_PROBE`).
-PACK_LISTENERS: list = []
-PACK_PROBE = "titanlite_pack_probe"
-
-
-def _pack_probe(x: torch.Tensor):
-    from torch.utils.checkpoint import _default_meta_extractor
-    for listener in PACK_LISTENERS:
-        listener(x)
-    return _default_meta_extractor(x)
-
-
-def register_pack_probe() -> str | None:
-    """Registers the pack-observing determinism check with torch's checkpoint; returns its
-    name for `checkpoint(determinism_check=...)`, or None if this torch has no such
-    registry (then nothing observes the packs: no recompute plan is made)."""
-    try:
-        from torch.utils import checkpoint as ckpt
-        ckpt._allowed_determinism_checks_to_fns[PACK_PROBE] = _pack_probe
-        return PACK_PROBE
-    except Exception:  # noqa: BLE001 - private API
-        return None
-
-
-def block_kind(block: nn.Module | None) -> tuple:
-    """Blocks with the same class and parameter shapes run the same ops (they share a
-    memory-budget measurement)."""
-    if block is None:
-        return ()
-    return type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-
 
 def plain_tensors(t: torch.Tensor):
     """The plain tensors behind a tensor subclass (DTensor, FSDP params, ...)."""
@@ -315,6 +282,7 @@ class OpSACPolicy:
         from torch.utils.checkpoint import _VersionWrapper
         rec = self._stop_recording()
         if rec is not None:
+            rec.alive.clear()
             if rec.stop and counts is not None:
                 rec.counts = dict(counts)
                 plan = self.rules.plans[self.plan_key] = make_plan(rec, self.rules.plan_attention_ops(),

@@ -50,7 +50,8 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_sac import ModuleScope, OpSACPolicy, block_kind, make_sac_modes, register_pack_probe
+from parallelisms.ac_dce import block_kind, register_pack_probe
+from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from trainer.configurable import ConfigError, check_value, opt
 
