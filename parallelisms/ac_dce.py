@@ -70,6 +70,10 @@ def block_kind(block: nn.Module | None) -> tuple:
     return type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
 
 
+# A SAC cache entry for an in-place op on a tensor nobody reads: the recompute returns
+# the op's input unchanged.
+INPLACE_SKIP = object()
+
 # A cached output at most this fraction of the block's largest activation is kept.
 TINY_FRACTION = 32
 
@@ -168,6 +172,7 @@ class RecomputePlan:
     counts: dict  # the recorded call's per-op counts (the plan holds only for the same)
     promoted: list  # (op, index) kept beyond the policy
     released: int  # cached outputs released (nobody reads them)
+    forced: list = field(default_factory=list)  # (op, index) in `keep` that the policy recomputes
 
     def describe(self) -> str:
         names = sorted({f"{op}#{i}" for op, i in self.promoted})
@@ -239,4 +244,5 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
         inplace=[(events[i].func, events[i].index) for i in inplace],
         counts=dict(rec.counts or {}),
         promoted=[(events[i].func, events[i].index) for i in promoted],
-        released=released)
+        released=released,
+        forced=[(events[i].func, events[i].index) for i in {*promoted, *placeholders} if not events[i].saved])

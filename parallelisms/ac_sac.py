@@ -15,9 +15,7 @@ lives here, behind guards:
 - a cache entry can be a `Placeholder` that the recompute answers without running the op;
 - force-recompute patterns need to know which module is running, in eager mode (global
   module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`;
-- the checkpoint's pack events (every tensor autograd saves in the forward) reach
-  `PACK_LISTENERS` through a `determinism_check` hook, for the recompute plan
-  (`ac_dce`) and the memory budget's measurement.
+- the recompute plan (`ac_dce`) is recorded from one call and applied to the next ones.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, make_plan
+from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, make_plan
 from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
 from parallelisms.ac_trace import trace, trace_line
 
@@ -279,7 +277,7 @@ class OpSACPolicy:
 
     def _apply_plan(self, storage, counts) -> None:
         """Records this call's plan, or applies the block's (see `ac_dce`)."""
-        from torch.utils.checkpoint import _VersionWrapper
+        from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
         rec = self._stop_recording()
         if rec is not None:
             rec.alive.clear()
@@ -294,8 +292,11 @@ class OpSACPolicy:
         plan = self.plan
         if plan is None:
             return
-        if counts is None or dict(counts) != plan.counts:  # another op sequence: keep all, record again
-            self.rules.plans.pop(self.plan_key, None)
+        if counts is None or dict(counts) != plan.counts:  # another op sequence: recompute as without a plan
+            for func, index in plan.forced:
+                if index in storage.get(func, {}):
+                    storage[func][index] = _RECOMPUTE
+            self.rules.plans.pop(self.plan_key, None)  # and record it again
             return
         for func, index in plan.placeholders:
             entry = storage.get(func, {}).get(index)
@@ -379,10 +380,6 @@ class Placeholder:
     def make(self) -> torch.Tensor:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
-
-# A SAC cache entry for an in-place op on a tensor nobody reads: the recompute returns
-# the op's input unchanged.
-INPLACE_SKIP = object()
 
 
 def kept_tensors(storage) -> list[torch.Tensor]:
