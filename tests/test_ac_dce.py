@@ -108,3 +108,22 @@ def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(rec
         assert block.calls.item() == calls + 2  # the forward and the recompute
         assert recomputed[aten.add_.Tensor] == 1 and recomputed[aten.bernoulli_.float] == 1  # dropout's mask
     assert len(policy.plans) == 1  # the branch made the plan stale; it was recorded again
+
+
+def test_budget_applies_its_plan_from_the_third_call_bitwise():
+    """`budget` measures on a block's first call and records its plan on the second; the
+    third step is the first to skip, and stays bitwise equal to `none`."""
+    import copy
+
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _train
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(3)]
+    ref = _run_mode(base, "none", batches)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_fraction=0.3))
+    torch.manual_seed(1234)
+    _assert_bitwise(ref, _train(model, batches))
+    assert len(policy.plans) == len(model.layers)  # each block's plan, applied in step 3
