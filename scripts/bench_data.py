@@ -94,10 +94,12 @@ def child_reader(folder: str, seq_len: int, batch: int, batches: int) -> dict:
 
 
 def child_step(seq_len: int, batch: int, steps: int) -> dict:
-    from scripts.bench_train import run_trainer
+    from scripts.bench_train import trainer_step
 
-    out = run_trainer(["--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch)], steps, 2)
-    return {"step_s": statistics.median(out["times"])}
+    step, _ = trainer_step(["--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch)], "none")
+    for _ in range(2):  # warm-up
+        step()
+    return {"step_s": statistics.median(step()[0] for _ in range(steps))}
 
 
 def _child(args: list[str]) -> dict:
