@@ -160,7 +160,9 @@ def test_a_killed_group_costs_the_survivor_one_quorum_and_heals_from_it(tmp_path
     times = [t for t, ln in survivor.lines if STEP_LINE.search(ln)]
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     assert gaps[-1] < QUORUM_TIMEOUT + gaps[len(gaps) // 2], gaps
-    assert "step 9 not committed" in survivor.text() or min(r["ft/groups"] for r in survivor_records) == 1.0
+    # Whether the survivor then trains alone for a while (a step not committed, ft/groups 1) or the
+    # restarted group is back before the quorum gives up on the dead one (every step with 2 groups)
+    # depends on how fast a fresh Python + torch starts: both are right, and both heal below.
     # Up to the kill the curve is the no-failure (HSDP) one.
     for r in survivor_records[:8]:
         assert r["loss"] == pytest.approx(hsdp_losses[r["step"]], rel=0, abs=1e-5), r["step"]
