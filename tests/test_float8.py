@@ -1,6 +1,8 @@
 """Float8 training (parallelisms/float8.py, torchao Float8Linear) on CPU.
 
-torch 2.13's `torch._scaled_mm` has a CPU kernel, so these run the real float8 GEMMs:
+Training runs on CPU use torchao's emulated float8 GEMM (dequantize, fp32 matmul: torch's CPU
+`_scaled_mm` is oneDNN's slow reference kernel on AMX CPUs; parallelisms/float8.py), with
+torchao's own casts, scales and roundings; the filter test runs `_scaled_mm` itself:
 - which Linear layers are converted (not the head, not the router gate, not dims % 16);
 - over 100 steps on the debug model, the float8 loss stays within 3% of the bf16 one at
   every logged step (tensorwise and rowwise);
