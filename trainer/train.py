@@ -329,15 +329,12 @@ class Trainer:
         snapshotter = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
         tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
         first_step = True
-        redo = None  # the batches of a step the replica groups did not commit: redone with the next quorum
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
             while self.step < t.steps:
                 with self.watch.phase("fault tolerance: quorum"):
                     healed = self.ft is not None and self.ft.start_step()
-                if healed:
-                    redo = None  # healed: this group now stands at a live peer's step and data position
-                    if self.step >= t.steps:
-                        break
+                if healed and self.step >= t.steps:  # healed: this group stands at a live peer's step
+                    break
                 self.step += 1
                 self.stragglers.start_step()
                 self.watch.set_step(self.step)
@@ -349,14 +346,19 @@ class Trainer:
                 try:
                     with self.watch.phase("data"):
                         inject_test_faults(self.rank, self.step)
-                        batches = redo or self.next_microbatches()
+                        # Under fault tolerance a step may not commit: then the loader goes back to
+                        # here, so the step is redone on the same batches and a group healing from this
+                        # one meanwhile gets the position before them, not after.
+                        data_state = self.dataloader.state_dict() if self.ft is not None else None
+                        batches = self.next_microbatches()
                     result = self.train_step(batches, with_metrics=log_now)
                     self.watch.at("logging and validation")
                 except Exception as e:  # noqa: BLE001 - a collective that timed out: name the hung rank
                     self.watch.on_exception(e)
                     raise
-                redo = None if result.committed else batches
-                if redo is not None:
+                if not result.committed:
+                    self.dataloader.load_state_dict(data_state)
+                    self.data_iter = iter(self.dataloader)
                     logger.warning(f"fault tolerance: step {self.step} not committed (a replica group failed or "
                                    "left); redoing it with the next quorum")
                     self.step -= 1
