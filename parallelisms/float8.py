@@ -3,10 +3,9 @@
 Why torchao and not our own `_scaled_mm` wrapper: torchao's `Float8Linear` already does
 dynamic tensorwise and rowwise scaling in all three GEMMs of a linear (output, grad_input,
 grad_weight), the FSDP2 float8 all-gather (weights cast to float8 *before* the
-all-gather, halving its bytes), and DTensor/compile support. On CPU the same code
-path runs with torchao's emulated GEMM (dequantize, fp32 matmul; see
-`torchao_linear_config`), so the casts, scales and roundings are tested there
-(tests/test_float8.py). Speed only exists on GPUs with
+all-gather, halving its bytes), and DTensor/compile support. torch 2.13's
+`torch._scaled_mm` has a CPU kernel, so the very same code path runs on CPU, and the
+numerics are tested there (tests/test_float8.py). Speed only exists on GPUs with
 float8 tensor cores (compute capability >= 8.9: H100, H200, L40S, RTX 4090) and with
 torch.compile, which fuses the amax/scale/cast kernels around each GEMM.
 
@@ -111,6 +110,17 @@ def check_device(device: torch.device) -> None:
                           "set --float8.enable false")
 
 
+def use_torch_cpu_float8_kernel() -> None:
+    """Routes CPU float8 matmuls to torch's own dequantize-and-matmul kernel, for the process.
+
+    On a CPU with AMX-INT8, torch sends `_scaled_mm` to oneDNN, whose float8 matmul there is
+    its reference kernel: 0.54 s for one 256 x 256 x 256 product against 1.5 ms without oneDNN
+    (one thread, Xeon with AMX). The first step of the golden float8 case took minutes. Off,
+    every CPU takes the same path, so float8 runs also repeat across CPU models. fp32 matmuls
+    on CPU use BLAS, not oneDNN, so nothing else a CPU run does changes."""
+    torch.backends.mkldnn.enabled = False
+
+
 def name_matches(fqn: str, patterns) -> bool:
     return any(fqn == p or fqn.endswith("." + p) or fnmatch.fnmatch(fqn, p) for p in patterns)
 
@@ -132,20 +142,13 @@ def float8_linear_filter(cfg: Float8Config):
     return keep
 
 
-def torchao_linear_config(cfg: Float8Config, device: torch.device | None = None):
-    """torchao's config for the recipe. On CPU the float8 GEMM is emulated (dequantize, then
-    an fp32 matmul): torch's CPU `_scaled_mm` goes to oneDNN on CPUs with AMX-INT8, whose
-    float8 matmul there is its reference kernel, 0.54 s against 1.5 ms for one 256^3 product
-    (one thread), and turning oneDNN off for the process would make bf16 matmuls 250x slower.
-    The casts, scales and roundings, which are what float8 changes, stay torchao's."""
-    import dataclasses
-
+def torchao_linear_config(cfg: Float8Config):
     float8 = require_torchao()
     config = float8.Float8LinearConfig.from_recipe_name(cfg.recipe)
     if cfg.enable_fsdp_float8_all_gather:
+        import dataclasses
+
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    if device is not None and device.type == "cpu":
-        config = dataclasses.replace(config, emulate=True)
     return config
 
 
@@ -156,10 +159,12 @@ def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device | Non
         return []
     if device is not None:
         check_device(device)
+        if device.type == "cpu":
+            use_torch_cpu_float8_kernel()
     float8 = require_torchao()
     keep = float8_linear_filter(cfg)
     converted = [name for name, m in model.named_modules() if keep(m, name)]
-    float8.convert_to_float8_training(model, config=torchao_linear_config(cfg, device), module_filter_fn=keep)
+    float8.convert_to_float8_training(model, config=torchao_linear_config(cfg), module_filter_fn=keep)
     if cfg.moe_grouped_gemm:
         converted += enable_float8_grouped_experts(model, device)
     logger.info("float8 (%s): %d modules converted", cfg.recipe, len(converted))

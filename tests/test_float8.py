@@ -1,10 +1,8 @@
 """Float8 training (parallelisms/float8.py, torchao Float8Linear) on CPU.
 
-Training runs on CPU use torchao's emulated float8 GEMM (dequantize, fp32 matmul: torch's CPU
-`_scaled_mm` is oneDNN's slow reference kernel on AMX CPUs; parallelisms/float8.py), with
-torchao's own casts, scales and roundings; the filter test runs `_scaled_mm` itself:
+torch 2.13's `torch._scaled_mm` has a CPU kernel, so these run the real float8 GEMMs:
 - which Linear layers are converted (not the head, not the router gate, not dims % 16);
-- over 100 steps on the debug model, the float8 loss stays within 3% of the bf16 one at
+- over 100 steps on the debug model, the float8 loss stays within 3% of the fp32 one at
   every logged step (tensorwise and rowwise);
 - FSDP 2 (with and without the float8 all-gather) and TP 2 equal one rank on the same
   microbatches, in fp32 master weights: float8 scales are computed over the whole
@@ -103,19 +101,21 @@ def test_config_errors():
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_float8_loss_within_3pct_of_bf16_over_100_steps(tmp_path):
+def test_float8_loss_within_3pct_of_fp32_over_100_steps(tmp_path):
     """About 2 minutes on 2 free cores for the three runs (eager float8 on CPU is slow: every
     cast is a tensor-subclass op); far longer on a loaded machine, hence the timeout. lr 1e-3:
     at llama_debug.toml's 3e-3 the loss curve itself jumps by 15% between logged steps."""
     base = ["--config", "llama_debug.toml", "--training.steps", "100", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--training.mixed_precision_on_cpu", "true",
+            "--training.local_batch_size", "2",
             "--metrics.log_freq", "10", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "10",
             "--optimizer.lr", "1e-3"]
     curves = {}
-    for name, extra in {"bf16": [], "tensorwise": F8, "rowwise": [*F8, "--float8.recipe", "rowwise"]}.items():
+    # fp32, not bf16 autocast: CPU float8 runs with oneDNN off (parallelisms/float8.py), where
+    # bf16 matmuls are 250x slower; the high-precision reference is fp32 either way.
+    for name, extra in {"fp32": [], "tensorwise": F8, "rowwise": [*F8, "--float8.recipe", "rowwise"]}.items():
         run_in_process([*base, *extra, "--job.dump_folder", str(tmp_path / name)])
         curves[name] = losses_by_step(tmp_path / name)
-    ref = curves["bf16"]
+    ref = curves["fp32"]
     assert sorted(ref) == [1] + list(range(10, 101, 10))
     assert ref[100] < ref[1] - 1.5  # it trains
     for recipe in ("tensorwise", "rowwise"):
