@@ -291,3 +291,23 @@ def test_an_unreachable_lighthouse_is_one_line_within_the_timeout(capsys):
                    "within 2 s; start the lighthouse (python -m trainer.fault_tolerance.lighthouse) or fix the "
                    "address\n"), err
     assert 2 <= elapsed < 2 + 10, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_the_lighthouse_exits_with_its_launcher_even_while_the_launcher_awaits_reaping(tmp_path):
+    """run_train.sh's shape under a caller that reads the output to EOF before it reaps (Python's
+    communicate, CI's log capture): the shell starts the lighthouse with --parent-pid $$, then execs
+    the launcher. When the launcher exits it stays a zombie until its caller reaps it, which the
+    caller does only after the lighthouse closes the pipes it inherited; a zombie must count as gone."""
+    address = tmp_path / "address"
+    script = (f"{sys.executable} -m trainer.fault_tolerance.lighthouse --port 0 --address-file {address} "
+              f"--parent-pid $$ & for _ in $(seq 300); do [ -s {address} ] && break; sleep 0.1; done; exec sleep 1")
+    with subprocess.Popen(["bash", "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise AssertionError("the lighthouse outlived its exited launcher and held the pipes open")
+    assert proc.returncode == 0 and "lighthouse: serving at" in out, out

@@ -242,4 +242,4 @@ def test_each_shipped_configs_missing_tokenizer_error_gives_the_command_that_put
         checked.add(os.path.dirname(path))
     assert checked == set(tokenizer_module.SHIPPED_TOKENIZERS), checked  # every shipped folder, no stale entry
     assert {r for r, _ in fetched} == {"meta-llama/Llama-3.1-8B", "deepseek-ai/DeepSeek-V2-Lite",
-                                       "deepseek-ai/DeepSeek-V3"}
+                                       "deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-8B-Base"}

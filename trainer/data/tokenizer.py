@@ -313,6 +313,7 @@ SHIPPED_TOKENIZERS = {
     "assets/tokenizer/llama3": ("meta-llama/Llama-3.1-8B", "original/tokenizer.model"),
     "assets/tokenizer/deepseek_v2": ("deepseek-ai/DeepSeek-V2-Lite", "tokenizer.json"),
     "assets/tokenizer/deepseek_v3": ("deepseek-ai/DeepSeek-V3", "tokenizer.json"),
+    "assets/tokenizer/qwen3": ("Qwen/Qwen3-8B-Base", "tokenizer.json"),  # every Qwen3 size shares it
 }
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

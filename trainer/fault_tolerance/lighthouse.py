@@ -79,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """False once `pid` has exited, zombie included: a launcher that has exited but is not yet
+    reaped (its parent is still reading the pipes this process holds open) counts as gone, or
+    the two would wait on each other for ever."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): signal 0 says only whether the pid exists
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +96,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
 
 if __name__ == "__main__":
     sys.exit(main())
