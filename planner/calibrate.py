@@ -62,25 +62,58 @@ def measure_memory_bandwidth() -> float:
     return _rate(lambda: torch.add(a, b, out=out), 3.0 * a.numel() * 4)
 
 
+def measure_block_overhead() -> float:
+    """Seconds of one block's forward + backward that no token count amortises: the debug
+    Llama at 8 tokens, one thread (eager dispatch of every op), per block."""
+    from parallelisms.apply import build_model
+    from trainer.config import load_config
+
+    cfg = load_config(["--config", "llama_debug.toml"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model_spec, cfg.model_args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    tokens = torch.randint(0, cfg.model_args.vocab_size, (1, 8))
+
+    def step():
+        model(tokens).float().mean().backward()
+    return 1.0 / _rate(step, 1.0, min_time=1.0) / len(model.layers)
+
+
+def _timed(fn, min_time: float) -> float:
+    """Seconds per call of a collective `fn`, slowest rank; every rank makes the same number of
+    calls (rank 0's count, from one timed call), or the collectives would pair up wrongly."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    fn()
+    n = torch.tensor([max(3, int(min_time / max(time.perf_counter() - t0, 1e-6)))])
+    dist.broadcast(n, 0)
+    t0 = time.perf_counter()
+    for _ in range(int(n.item())):
+        fn()
+    dt = torch.tensor([(time.perf_counter() - t0) / n.item()])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
 def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    x = torch.randn(4 << 20)  # 16 MiB
-    out = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(out, x)
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 1.0:
-        dist.all_gather(out, x)
-        n += 1
-    dt = torch.tensor([(time.perf_counter() - t0) / n])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    x, tiny = torch.randn(4 << 20), torch.randn(1)  # 16 MiB, and one element (the per-call latency)
+    out, tiny_out = [torch.empty_like(x) for _ in range(world)], [torch.empty_like(tiny) for _ in range(world)]
+    big = _timed(lambda: dist.all_gather(out, x), 1.0)
+    small = _timed(lambda: dist.all_gather(tiny_out, tiny), 0.5)
     if rank == 0:  # bus bandwidth: each rank receives (world-1)/world of the gathered bytes
-        queue.put(x.numel() * 4 * (world - 1) / dt.item())
+        queue.put((x.numel() * 4 * (world - 1) / max(big - small, 1e-9), small))
     dist.destroy_process_group()
 
 
-def measure_gloo(world: int = 2) -> float:
+def measure_gloo(world: int = 2) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, seconds per call) of a gloo all-gather between `world` processes."""
     import socket
 
     import torch.multiprocessing as mp
@@ -93,10 +126,10 @@ def measure_gloo(world: int = 2) -> float:
     procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    bw = queue.get(timeout=120)
+    bw_latency = queue.get(timeout=120)
     for p in procs:
         p.join(timeout=60)
-    return bw
+    return bw_latency
 
 
 def calibrate_cpu(path=None) -> tuple[Hardware, str]:
@@ -108,13 +141,16 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     t0 = time.perf_counter()
     try:
         mm, attn, grouped, membw = measure_matmul(), measure_attention(), measure_grouped(), measure_memory_bandwidth()
+        torch.set_num_threads(1)  # dispatch is one thread's work (multi-rank runs give each rank one)
+        block = measure_block_overhead()
     finally:
         torch.set_num_threads(threads)
-    gloo = measure_gloo()
+    gloo, latency = measure_gloo()
     with open("/proc/meminfo") as f:
         ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
-                     hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02)
+                     hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02,
+                     block_overhead_s=block, collective_latency_s=latency)
     hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,
                   hbm_gbs=membw / 1e9, nvlink_gbs=gloo / 1e9, gpus_per_node=64, internode_gbs=gloo / 1e9,
                   device="cpu", cores=cores, efficiency=eff,
@@ -124,6 +160,7 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     out.write_text(hardware_toml(hw))
     report = (f"calibrated {CPU_NAME} in {time.perf_counter() - t0:.1f} s on {cores} cores (fp32): matmul "
               f"{mm / 1e9:.1f} GFLOP/s, attention {attn / 1e9:.1f} GFLOP/s ({attn / mm:.0%}), grouped GEMM "
-              f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s; "
+              f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s and "
+              f"{latency * 1e6:.0f} us per call, eager dispatch {block * 1e3:.2f} ms per block pass; "
               f"written to {out}")
     return hw, report

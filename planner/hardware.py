@@ -32,6 +32,10 @@ class Efficiency:
     overlap: float = 0.80  # share of FSDP/HSDP/PP traffic hidden behind compute (prefetch)
     compile_elementwise: float = 0.45  # elementwise bytes left after compile's fusion
     step_overhead_s: float = 0.05  # per optimizer step: launch gaps, the optimizer's kernel launches, clip
+    # Fixed costs that do not scale with tokens (0 on GPUs: launches run ahead of big kernels, and
+    # NCCL latency is not modelled; CPU: measured by --calibrate, where eager dispatch dominates small shapes).
+    block_overhead_s: float = 0.0  # per block per microbatch, forward + backward: eager op dispatch
+    collective_latency_s: float = 0.0  # per collective call (the alpha of an alpha-beta model)
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,9 @@ def hardware_from_table(table: dict, source: str, name: str | None = None) -> Ha
         if key not in _EFF_FIELDS:
             raise ConfigError(f"config error: {source}: unknown efficiency field {key!r}; fields: "
                               f"{', '.join(_EFF_FIELDS)}")
-        bounded = None if key == "step_overhead_s" else 1.0
-        eff[key] = _number(source, f"efficiency.{key}", v, positive=key not in ("step_overhead_s", "overlap"), at_most=bounded)
+        seconds = key.endswith("_s")
+        eff[key] = _number(source, f"efficiency.{key}", v, positive=not seconds and key != "overlap",
+                           at_most=None if seconds else 1.0)
     base = H100_EFFICIENCY if device == "cuda" else Efficiency()
     return Hardware(name=str(table.get("name", name or Path(source).stem)), device=device, cores=cores,
                     efficiency=dataclasses.replace(base, **eff), note=str(table.get("note", "")), **values)

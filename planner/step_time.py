@@ -59,8 +59,9 @@ class Collective:
     bytes: float  # per rank per step, on the wire (ring: (g-1)/g of the tensor)
     group: int
     link: str  # "in-node" or "inter-node"
-    seconds: float
+    seconds: float  # bytes over the link, plus calls x the per-call latency
     overlapped: bool
+    calls: float = 0.0  # per rank per step
 
 
 @dataclass
@@ -90,7 +91,8 @@ class StepTime:
                   + self.parts["elementwise"],
                   "exposed comm": self.parts["exposed comm (TP/CP/EP)"] + self.parts["exposed comm (FSDP/HSDP/PP)"],
                   "bubble": self.parts["pipeline bubble"], "recompute": self.parts["recompute"],
-                  "optimizer+overhead": self.parts["optimizer step"] + self.parts["fixed overhead"]}
+                  "optimizer+overhead": self.parts["optimizer step"] + self.parts["fixed overhead"]
+                  + self.parts["eager dispatch"]}
         if groups["compute"] >= 0.6 * self.step_s:
             return "compute"
         return max((k for k in groups if k != "compute"), key=groups.get)
@@ -149,19 +151,25 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     ew_scale = eff.compile_elementwise if plan.compile else 1.0
     t_ew = ew_bytes * ew_scale / hbm
 
+    # Eager dispatch: a fixed cost per block pass that no token count amortises (CPU: measured;
+    # its ranks share the cores, so it stretches when there are more ranks than cores).
+    oversubscribed = max(1.0, plan.world / hw.cores) if hw.device == "cpu" and hw.cores else 1.0
+    t_dispatch = eff.block_overhead_s * n_mb * L * oversubscribed
+
     rm, ra, re = recompute_shares(plan)
     t_recompute = (rm * (t_mm - head_s) / 3 + ra * t_attn / 3 + rm * t_grouped / 3
-                   + re * tok * L * fwd_ew * ew_scale / hbm)
+                   + re * tok * L * fwd_ew * ew_scale / hbm + re * t_dispatch / 3)
     compute = t_mm + t_attn + t_grouped + t_ew
 
     # ---- collectives ----
     colls: list[Collective] = []
 
-    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool) -> None:
+    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool, calls: float) -> None:
         if group <= 1 or nbytes <= 0:
             return
         link, bw = _link(span, hw)
-        colls.append(Collective(name, nbytes, group, link, nbytes / (bw * eff.link), overlapped))
+        seconds = nbytes / (bw * eff.link) + calls * eff.collective_latency_s * oversubscribed
+        colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls))
 
     stage_params = share(sum(w.layer_dense) + sum(w.layer_norms)) + w.head + w.embedding / max(1, pp)
     stage_experts = share(sum(w.layer_experts))
@@ -173,37 +181,44 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     reduces = 1 if pp > 1 else n_mb
     span_fsdp = plan.dp_shard * cp * tp
     g8 = esize  # bf16 gathers (the float8 all-gather is not searched)
-    add("FSDP all-gather", gathers * (dense_unit * g8 * (fsdp - 1) / fsdp), fsdp, span_fsdp, True)
-    add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True)
+    units = L + 1  # one FSDP unit per block, and the root (embedding, final norm, head)
+    add("FSDP all-gather", gathers * (dense_unit * g8 * (fsdp - 1) / fsdp), fsdp, span_fsdp, True, gathers * units)
+    add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True, reduces * units)
     if stage_experts:
-        add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True)
-        add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True)
+        moe_units = w.moe_layers * layer_share
+        add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
+            gathers * moe_units)
+        add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
+            reduces * moe_units)
     r = plan.dp_replicate
     if r > 1:
         shard_bytes = 4 * (dense_unit / fsdp + (expert_unit / efsdp if stage_experts else 0))
-        add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True)
+        add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True, reduces * units)
     act = tokens_mb / cp * w.dim * esize  # one microbatch's hidden states on a CP rank (full over TP)
     n_blocks = L
     if tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, forward and backward
         per = 8 + (4 if plan.ac == "full" else 2 if plan.ac in ("op", "budget") else 0)
-        add("TP/SP all-gather+reduce-scatter", n_mb * n_blocks * per * act * (tp - 1) / tp, tp, tp, False)
+        add("TP/SP all-gather+reduce-scatter", n_mb * n_blocks * per * act * (tp - 1) / tp, tp, tp, False,
+            n_mb * n_blocks * per)
     if cp > 1:
         if plan.cp_method == "allgather":  # K/V gathered forward, their grads reduce-scattered backward
             kv = tokens_mb * w.kv_width / tp * esize
             per = 3 + (1 if plan.ac == "full" else 0)
-            add("CP K/V all-gather", n_mb * n_blocks * per * kv * (cp - 1) / cp, cp, cp * tp, False)
+            add("CP K/V all-gather", n_mb * n_blocks * per * kv * (cp - 1) / cp, cp, cp * tp, False,
+                n_mb * n_blocks * per)
         else:  # Ulysses: q, k, v in and the output back, forward and backward
             qkvo = tokens_mb / cp * w.qkvo_width / tp * esize
             per = 2 + (1 if plan.ac == "full" else 0)
-            add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False)
+            add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False,
+                n_mb * n_blocks * per * 4)  # q, k, v and the output each have their own all-to-all
     if ep > 1 and w.moe_layers:
         moe_blocks = w.moe_layers * layer_share
         rows = tokens_mb / shard * w.top_k * w.dim * esize  # routed rows this rank sends per MoE layer
         per = 4 + (2 if plan.ac == "full" else 0)
-        add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False)
+        add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False, n_mb * moe_blocks * per)
     if pp > 1:
         sends = n_mb * plan.stages_per_rank * 2 * act / (tp if tp > 1 else 1)
-        add("PP send/recv", sends, 2, plan.world, True)
+        add("PP send/recv", sends, 2, plan.world, True, n_mb * plan.stages_per_rank * 2)
 
     serial = sum(c.seconds for c in colls if not c.overlapped)
     overlappable = sum(c.seconds for c in colls if c.overlapped)
@@ -219,6 +234,6 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     parts = {"matmul": t_mm, "attention": t_attn, "grouped GEMM": t_grouped, "elementwise": t_ew,
              "recompute": t_recompute, "exposed comm (TP/CP/EP)": serial,
              "exposed comm (FSDP/HSDP/PP)": exposed_overlap, "pipeline bubble": t_bubble,
-             "optimizer step": t_opt, "fixed overhead": eff.step_overhead_s}
+             "optimizer step": t_opt, "fixed overhead": eff.step_overhead_s, "eager dispatch": t_dispatch}
     return StepTime(plan, parts, colls, tokens_per_step=plan.global_batch * seq_len,
                     flops_per_token=w.flops_per_token(seq_len), peak_flops=hw.bf16_tflops * 1e12)
