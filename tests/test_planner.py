@@ -138,3 +138,33 @@ def test_predicted_memory_matches_a_measured_step():
         assert not predicted.exact
         measured = got[name][0]["persistent_bytes"] + got[name][0]["peak_growth"]
         assert abs(predicted.tensors / measured - 1) < 0.15, (name, predicted.tensors, measured)
+
+
+def test_fixed_cost_terms_count_block_passes_and_collective_calls():
+    """The eager-dispatch term is block_overhead_s per block per microbatch (stretched by ranks /
+    cores), and each collective pays collective_latency_s per call: checked against counts made
+    by hand for FSDP 2 and FSDP 8 on a 2-core CPU entry, and 0 on the GPU entries."""
+    import dataclasses
+
+    from planner.hardware import KNOWN, hardware_from_table
+    from planner.layout import Plan
+    from planner.step_time import predict
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    table = tomllib.loads(HW.format(gib=4.0))
+    base = hardware_from_table(table, "test")
+    costly = dataclasses.replace(base, efficiency=dataclasses.replace(
+        base.efficiency, block_overhead_s=0.003, collective_latency_s=0.001))
+    cfg = load_config(DEBUG)
+    w = workload_of(cfg)
+    for world, stretch in ((2, 1.0), (8, 4.0)):
+        plan = Plan(world, 1, world, local_batch=2)
+        plain, fixed = predict(plan, w, base, 128, compute_bytes=4), predict(plan, w, costly, 128, compute_bytes=4)
+        assert fixed.parts["eager dispatch"] == pytest.approx(0.003 * plan.n_microbatches * w.n_layers * stretch)
+        gather = next(c for c in fixed.collectives if c.name == "FSDP all-gather")
+        plain_gather = next(c for c in plain.collectives if c.name == "FSDP all-gather")
+        assert gather.calls == 2 * plan.n_microbatches * (w.n_layers + 1)  # forward and backward, blocks and root
+        assert gather.seconds - plain_gather.seconds == pytest.approx(gather.calls * 0.001 * stretch)
+        assert fixed.step_s > plain.step_s
+    assert KNOWN["h100-sxm"].efficiency.block_overhead_s == KNOWN["h100-sxm"].efficiency.collective_latency_s == 0
