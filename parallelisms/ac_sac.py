@@ -14,7 +14,8 @@ lives here, behind guards:
   through `SAC_CACHE_LISTENERS`, so the training path never imports the counters;
 - a cache entry can be a `Placeholder` that the recompute answers without running the op;
 - force-recompute patterns need to know which module is running, in eager mode (global
-  module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`.
+  module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`;
+- the recompute plan (`ac_dce`) is recorded from one call and applied to the next ones.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, make_plan
 from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
-from parallelisms.ac_trace import trace
+from parallelisms.ac_trace import trace, trace_line
 
 # Objects with `add(obj, source)` that want every tensor the SAC cache keeps
 # (ac_measure.SavedActivationCounter registers itself while it is active).
@@ -36,7 +38,6 @@ SAC_CACHE_LISTENERS: list = []
 
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 _SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
 
 def plain_tensors(t: torch.Tensor):
     """The plain tensors behind a tensor subclass (DTensor, FSDP params, ...)."""
@@ -204,6 +205,15 @@ class OpSACPolicy:
         hook = type(rules).observe
         self._observe = None if getattr(hook, "_no_op", False) else rules.observe
         rules.start_call(self)
+        # The recompute plan (ac_dce): applied if the block has one, else this call records one.
+        self.plan_key = self.info.get("plan_key")
+        plans = getattr(rules, "plans", None)
+        self.plan = plans.get(self.plan_key) if plans is not None else None
+        self.keep = self.plan.keep if self.plan is not None else None
+        self.recorder = None
+        if plans is not None and self.plan is None and self.plan_key is not None and rules.decisions_final(self):
+            self.recorder = CallRecorder()
+            PACK_LISTENERS.append(self.recorder.on_pack)
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -229,11 +239,20 @@ class OpSACPolicy:
         _, static, is_mm = self._entry(func, args, out)
         policy, verdict, note = static if static is not None else \
             self.rules.decide(self, func, is_recompute, args, out)
+        keep = self.keep
+        if keep is not None:
+            indices = keep.get(id(func))
+            if indices is not None and index in indices:
+                policy = _MUST_SAVE  # kept by the plan (or cached until the forward ends, then a Placeholder)
         if self.trace:
             trace(func, verdict, note)
         if not is_recompute:
             if self.compiled is None:
                 self.compiled = tracing_for_compile()
+                if self.compiled:
+                    self._stop_recording()
+            if self.recorder is not None:
+                self.recorder.on_op(func, index, args, kwargs, out, policy in _SAVE_POLICIES, verdict)
             if is_mm:
                 self.last_mm = (func, index, policy is _MUST_SAVE)
             if verdict == "SKIP" and isinstance(out, torch.Tensor):
@@ -250,8 +269,46 @@ class OpSACPolicy:
         counts[id(func)] = index + 1
         return self.forward_op(func, index, args, kwargs, getattr(ctx, "op_output", None), is_recompute)
 
-    def finish(self, storage) -> None:
-        """Called when the checkpointed forward ends, with torch's SAC storage.
+    def _stop_recording(self) -> CallRecorder | None:
+        rec, self.recorder = self.recorder, None
+        if rec is not None and rec.on_pack in PACK_LISTENERS:
+            PACK_LISTENERS.remove(rec.on_pack)
+        return rec
+
+    def _apply_plan(self, storage, counts) -> None:
+        """Records this call's plan, or applies the block's (see `ac_dce`)."""
+        from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
+        rec = self._stop_recording()
+        if rec is not None:
+            rec.alive.clear()
+            if rec.stop and counts is not None:
+                rec.counts = dict(counts)
+                plan = self.rules.plans[self.plan_key] = make_plan(rec, self.rules.plan_attention_ops(),
+                                                                   **self.rules.plan_options())
+                if self.trace:
+                    prefix = self.info.get("prefix", "")
+                    trace_line(f"plan {self.plan_key}", f"PLAN {prefix}: {plan.describe()}")
+            return
+        plan = self.plan
+        if plan is None:
+            return
+        if counts is None or dict(counts) != plan.counts:  # another op sequence: recompute as without a plan
+            for func, index in plan.forced:
+                if index in storage.get(func, {}):
+                    storage[func][index] = _RECOMPUTE
+            self.rules.plans.pop(self.plan_key, None)  # and record it again
+            return
+        for func, index in plan.placeholders:
+            entry = storage.get(func, {}).get(index)
+            if type(entry) is _VersionWrapper and isinstance(entry.val, torch.Tensor):
+                storage[func][index] = Placeholder(entry.val)
+        for func, index in plan.inplace:
+            if index in storage.get(func, {}):
+                storage[func][index] = INPLACE_SKIP
+
+    def finish(self, storage, counts=None) -> None:
+        """Called when the checkpointed forward ends, with torch's SAC storage (and the
+        per-op counts of the forward).
 
         The output of the block's last matmul (`w2`, `shared_experts.w2`) is released:
         the non-reentrant checkpoint stops its recompute once backward has every tensor
@@ -263,12 +320,14 @@ class OpSACPolicy:
         torch.compile the partitioner owns the saved set, and nothing is done.
         """
         if self.compiled:
+            self._stop_recording()
             return
         from torch.utils.checkpoint import _RECOMPUTE
         if self.last_mm is not None and self.last_mm[2]:
             func, index, _ = self.last_mm
             if index in storage.get(func, {}):
                 storage[func][index] = _RECOMPUTE
+        self._apply_plan(storage, counts)
         for func, index, placeholder in self.skipped:
             if storage.get(func, {}).get(index) is _RECOMPUTE:
                 storage[func][index] = placeholder
@@ -313,11 +372,14 @@ class Placeholder:
     recompute gets an uninitialised tensor with the same metadata (shape, stride, dtype,
     device), so the checkpoint's metadata check passes and no FLOP is spent."""
 
+    __slots__ = ("size", "stride", "dtype", "device")
+
     def __init__(self, out: torch.Tensor):
         self.size, self.stride, self.dtype, self.device = out.size(), out.stride(), out.dtype, out.device
 
     def make(self) -> torch.Tensor:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
 
 
 def kept_tensors(storage) -> list[torch.Tensor]:
@@ -401,7 +463,7 @@ def _mode_classes() -> dict:
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)
             if finish is not None:
-                finish(self.storage)
+                finish(self.storage, self.func_counter)
             return super().__exit__(*exc)
 
     class _Cached(_CachedTorchDispatchMode):
@@ -422,6 +484,8 @@ def _mode_classes() -> dict:
                 return func(*args, **(kwargs or {}))
             if type(entry) is Placeholder:
                 return entry.make()
+            if entry is INPLACE_SKIP:
+                return args[0]
             entries[index] = _CONSUMED
             if type(entry) is _VersionWrapper:
                 return entry.get_val(self.allow_cache_entry_mutation)
