@@ -7,7 +7,9 @@ the recomputed matmuls while counting no FLOPs. Much of that work only feeds ten
 are themselves cached. One call of each block is recorded (`CallRecorder`: every op's
 inputs and outputs by storage, and every tensor autograd packs, through the checkpoint's
 determinism-check hook), and `make_plan` works out, backwards from what autograd packs,
-which ops the recompute must run. Later calls of the block then
+which ops the recompute must run (and the recording call's recompute checks that it
+dispatches the recorded ops in the same order: if not, the block gets no plan). Later
+calls of the block then
 
 - keep a few more outputs (`promote`): outputs of at most 1/32 of the block's largest
   activation (RMSNorm's reciprocal root, [tokens, 1]), and the inputs of each kept
@@ -173,8 +175,11 @@ class RecomputePlan:
     promoted: list  # (op, index) kept beyond the policy
     released: int  # cached outputs released (nobody reads them)
     forced: list = field(default_factory=list)  # (op, index) in `keep` that the policy recomputes
+    disabled: str = ""  # why this block has no plan (its recompute ran other ops than its forward)
 
     def describe(self) -> str:
+        if self.disabled:
+            return f"no plan: {self.disabled}"
         names = sorted({f"{op}#{i}" for op, i in self.promoted})
         return (f"keeps {len(self.promoted)} more outputs ({', '.join(names) or '-'}), skips "
                 f"{len(self.placeholders) + len(self.inplace) - self.released} ops in the recompute, "

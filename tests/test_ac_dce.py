@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import _RECOMPUTE, _CachedTorchDispatchMode, checkpoint
 
-from parallelisms import ac_sac
+from parallelisms import ac_modes
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC
 
 aten = torch.ops.aten
@@ -25,7 +25,7 @@ aten = torch.ops.aten
 def recomputed(monkeypatch):
     """Counts the ops the recompute really runs (their cache entry says recompute)."""
     ran: collections.Counter = collections.Counter()
-    cls = ac_sac._MODE_CLASSES[_CachedTorchDispatchMode]
+    cls = ac_modes._MODE_CLASSES[_CachedTorchDispatchMode]
     real = cls.__torch_dispatch__
 
     def dispatch(self, func, types, args=(), kwargs=None):
@@ -127,3 +127,50 @@ def test_budget_applies_its_plan_from_the_third_call_bitwise():
     torch.manual_seed(1234)
     _assert_bitwise(ref, _train(model, batches))
     assert len(policy.plans) == len(model.layers)  # each block's plan, applied in step 3
+
+
+def _train_autocast(model, batches):
+    """Loss and grads per step, forward and backward inside one bf16 autocast region (as the
+    trainer runs one GPU without FSDP): the recompute then finds autocast's weight casts cached."""
+    from tests.test_activation_checkpoint import _clean
+    record = []
+    for inputs, target in batches:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2).float(), target.flatten())
+            loss.backward()
+        record.append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+    return record
+
+
+@pytest.mark.parametrize("count_param_casts", [False, True])
+def test_plan_under_autocast_with_backward_in_the_region(monkeypatch, caplog, count_param_casts):
+    """gpu_check's `llama_eager_op` row failed with "aten.mul.Scalar encountered during
+    backward but not found in storage": autocast casts each weight once per region, so the
+    recompute (inside the same region) dispatched fewer `_to_copy`s than the forward, and the
+    plan's kept RoPE cast (by invocation index) was handed to another cast. Parameter casts
+    now bypass the cache (the plan is applied, bitwise); were they counted again, the
+    recording call's recompute sees the other op sequence and the block gets no plan."""
+    import copy
+
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _assert_bitwise, _llama
+    if count_param_casts:
+        monkeypatch.setattr(ac_modes, "is_param_cast", lambda args: False)
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(3)]
+    ref = _train_autocast(copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="op"))
+    with caplog.at_level("WARNING", logger="ac"):
+        got = _train_autocast(model, batches)
+    _assert_bitwise(ref, got)
+    plans = list(policy.plans.values())
+    assert len(plans) == len(model.layers)
+    if count_param_casts:
+        assert all("_to_copy" in p.disabled for p in plans) and "no recompute plan" in caplog.text
+    else:
+        assert not any(p.disabled for p in plans) and all(p.promoted for p in plans)
+        assert "no recompute plan" not in caplog.text
