@@ -14,7 +14,9 @@ calls of the block then
 - keep a few more outputs (`promote`): outputs of at most 1/32 of the block's largest
   activation (RMSNorm's reciprocal root, [tokens, 1]), and the inputs of each kept
   attention op (the rotated q and k, instead of the matmul outputs they come from), so
-  that the chains behind them are dead. Matmul outputs are never promoted: which of
+  that the chains behind them are dead. An attention input copied (only) from a kept
+  output at least as large (CP's reorder of the gathered K/V) is not kept: that would
+  hold the same data twice, to spare a copy. Matmul outputs are never promoted: which of
   them are kept stays the policy's choice (alternation, force-recompute patterns);
 - answer the dead ops with a `Placeholder` (an empty tensor of the recorded shape, never
   read), or, for an in-place op on a dead tensor, with its input: nothing runs;
@@ -78,6 +80,12 @@ INPLACE_SKIP = object()
 
 # A cached output at most this fraction of the block's largest activation is kept.
 TINY_FRACTION = 32
+
+# Ops that only move data (their output holds values of their input, rearranged).
+_aten = torch.ops.aten
+COPY_OPS = frozenset({_aten.clone, _aten.index_select, _aten.cat, _aten.stack, _aten.constant_pad_nd,
+                      _aten.repeat_interleave, _aten.repeat, _aten._unsafe_view, _aten.copy, _aten.expand_copy,
+                      _aten.permute_copy, _aten.slice_copy, _aten.narrow_copy, _aten.gather})
 
 
 def _storage_keys(tree, alive: list | None = None) -> list:
@@ -153,7 +161,7 @@ class CallRecorder:
             producer[k] = i
             if not mutable and not is_view:
                 self.origin[k] = i
-        nbytes = out.untyped_storage().nbytes() if placeholder else 0
+        nbytes = out.untyped_storage().nbytes() if plain and isinstance(out, torch.Tensor) else 0
         self.events.append(_Event(func, index, saved, verdict, inputs, alias_of, placeholder, inplace_skip,
                                   must_run=not (placeholder or inplace_skip or is_view), nbytes=nbytes))
 
@@ -198,23 +206,37 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
         return not e.saved and e.placeholder and not e.mutated_later and e.verdict == "RECOMPUTE" \
             and getattr(e.func, "overloadpacket", e.func) not in MATMUL_OPS
 
+    def root(i: int) -> int:  # the event whose storage a view reads
+        while events[i].alias_of is not None:
+            i = events[i].alias_of
+        return i
+
+    def copies_kept(i: int, nbytes: int) -> bool:
+        """Whether event i reads, directly or through copies only (`COPY_OPS`), a kept output
+        of at least `nbytes` (CP's reorder of the gathered K/V, Ulysses' regroup of the
+        received q/k/v): keeping i would hold the same data twice, to spare a copy."""
+        for r in map(root, events[i].inputs):
+            if saved[r] and events[r].nbytes >= nbytes:
+                return True
+            if not saved[r] and getattr(events[r].func, "overloadpacket", None) in COPY_OPS and copies_kept(r, nbytes):
+                return True
+        return False
+
     promoted: dict[int, None] = {}  # (ordered, without repeats)
     if promote and events:
-        largest = max((e.nbytes for e in events), default=0)
+        largest = max((e.nbytes for e in events if e.placeholder), default=0)
         for i in range(stop):
             e = events[i]
             if promotable(e) and 0 < e.nbytes * TINY_FRACTION <= largest:
                 promoted[i] = None
+                saved[i] = True
         for i in range(stop):
             e = events[i]
             if e.saved and getattr(e.func, "overloadpacket", e.func) in attention_ops:
-                for p in e.inputs:
-                    while events[p].alias_of is not None:
-                        p = events[p].alias_of
-                    if promotable(events[p]):
+                for p in map(root, e.inputs):
+                    if promotable(events[p]) and not copies_kept(p, events[p].nbytes):
                         promoted[p] = None
-        for i in promoted:
-            saved[i] = True
+                        saved[p] = True
     needed = [False] * len(events)
     for i in rec.packed:
         needed[i] = True
