@@ -184,6 +184,7 @@ class RecomputePlan:
     released: int  # cached outputs released (nobody reads them)
     forced: list = field(default_factory=list)  # (op, index) in `keep` that the policy recomputes
     disabled: str = ""  # why this block has no plan (its recompute ran other ops than its forward)
+    fast: dict = field(default_factory=dict)  # id(op) -> policy (see OpSACPolicy.fast)
 
     def describe(self) -> str:
         if self.disabled:

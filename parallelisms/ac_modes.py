@@ -29,18 +29,19 @@ _SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 def make_sac_modes(policy) -> tuple:
-    """create_selective_checkpoint_contexts(policy), with four additions in eager mode:
+    """create_selective_checkpoint_contexts(policy), with these changes in eager mode:
 
-    - runtime ops bypass the cache (on torch 2.13 the recompute replays the cache by
-      per-op index without calling the policy, so an op that only one pass runs must
-      not be counted);
-    - when the forward ends, `policy.finish(storage)` may release cache entries that
-      the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
-    - a cache entry that is a `Placeholder` is answered in the recompute with an empty
-      tensor of the recorded shape instead of running the op (its value is never read);
+    - runtime ops and parameter casts bypass the cache (on torch 2.13 the recompute
+      replays the cache by per-op index without calling the policy, so an op that only
+      one pass runs must not be counted);
+    - when the forward ends, `policy.finish(storage, counts)` may release cache entries
+      that the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
+    - a `Placeholder` entry is answered in the recompute with an empty tensor of the
+      recorded shape instead of running the op (its value is never read);
     - a policy with `forward_op` (an `OpSACPolicy`) is called with torch's invocation
-      index, and each op's kind is looked up by `id` (see `_op_kind`): the same cache,
-      with less Python per op. While torch.compile traces, torch's own code runs.
+      index, or not at all for the ops in its `fast` table; each op's kind, storage
+      entries and recompute index are found by `id` in a per-call `slots` table: the
+      same cache, with less Python per op. While torch.compile traces, torch's code runs.
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     fwd, rec = create_selective_checkpoint_contexts(policy)
@@ -49,6 +50,8 @@ def make_sac_modes(policy) -> tuple:
         if cls is not None:
             mode.__class__ = cls
     fwd.forward_op = getattr(policy, "forward_op", None)
+    fwd.fast = getattr(policy, "fast", None)
+    fwd.slots, rec.slots = {}, {}
     if getattr(policy, "recorder", None) is not None:  # the call that records a recompute plan
         rec.check = policy.check_recompute
     return fwd, rec
@@ -138,60 +141,86 @@ def _mode_classes() -> dict:
     def _wrap(x):
         return _VersionWrapper(_detach_helper(x))
 
+    _get_mode, _PROXY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.PROXY
+
+    def tracing(func, args, kwargs) -> bool:  # torch's `_is_compiling`, its C check first (eager: one call)
+        return _get_mode(_PROXY) is not None and _is_compiling(func, args, kwargs)
+
+    def slot_of(mode, func) -> list:
+        """[func, kind, its storage entries (plain ops), next invocation index]: made once
+        per op and call, found by `id` (an OpOverload's hash is Python code)."""
+        kind = _op_kind(func, SAC_IGNORED_OPS)
+        entries = mode.storage[func] if mode.creates and kind in (_PLAIN, _CAST) else mode.storage.get(func)
+        slot = mode.slots[id(func)] = [func, kind, entries, 0]
+        return slot
+
     class _Caching(_CachingTorchDispatchMode):
         forward_op = None
+        # id(op) -> policy, for ops whose decision is the same in every call and needs no
+        # per-call work (`OpSACPolicy.fast`); None: ask `forward_op` for every op.
+        fast = None
+        creates = True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _is_compiling(func, args, kwargs):
+            if tracing(func, args, kwargs):
                 return super().__torch_dispatch__(func, types, args, kwargs)
-            kind = _op_kind(func, SAC_IGNORED_OPS)
+            slot = self.slots.get(id(func))
+            if slot is None or slot[0] is not func:
+                slot = slot_of(self, func)
+            kind = slot[1]
             if kind == _CAST:
                 kind = _BYPASS if is_param_cast(args) else _PLAIN
             if kind == _BYPASS:
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs) if kwargs else func(*args)
             if kind == _GENERIC or self.forward_op is None:
                 return super().__torch_dispatch__(func, types, args, kwargs)
-            # torch's caching step for an OpOverload, with our policy called directly.
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            counter = self.func_counter
-            index = counter[func]
-            counter[func] = index + 1
-            policy = self.forward_op(func, index, args, kwargs, out)
+            # torch's caching step for an OpOverload: the entry's index is its invocation index.
+            out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+            entries = slot[2]
+            index = len(entries)
+            fast = self.fast
+            policy = None if fast is None else fast.get(id(func))
+            if policy is None:
+                policy = self.forward_op(func, index, args, kwargs or {}, out)
             if policy in _SAVE_POLICIES:
-                self.storage[func][index] = _wrap(out) if isinstance(out, torch.Tensor) else tree_map(_wrap, out)
+                entries[index] = _wrap(out) if isinstance(out, torch.Tensor) else tree_map(_wrap, out)
             else:
-                self.storage[func][index] = _RECOMPUTE
+                entries[index] = _RECOMPUTE
             return out
 
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)
-            if finish is not None:
-                finish(self.storage, self.func_counter)
+            if finish is not None:  # per-op counts: one storage entry per call of each op
+                finish(self.storage, {key: len(entries) for key, entries in self.storage.items()})
             return super().__exit__(*exc)
 
     class _Cached(_CachedTorchDispatchMode):
         check = None  # (func) -> bool: go on checking (the recording call of a recompute plan)
+        creates = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _is_compiling(func, args, kwargs):
+            if tracing(func, args, kwargs):
                 return super().__torch_dispatch__(func, types, args, kwargs)
-            kind = _op_kind(func, SAC_IGNORED_OPS)
+            slot = self.slots.get(id(func))
+            if slot is None or slot[0] is not func:
+                slot = slot_of(self, func)
+            kind = slot[1]
             if kind == _CAST:
                 kind = _BYPASS if is_param_cast(args) else _PLAIN
             if kind == _BYPASS:
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs) if kwargs else func(*args)
             if self.check is not None and not self.check(func):
                 self.check = None
-            key = func if kind == _PLAIN else _sac_storage_key(func, args)
-            index = self.func_counter[key]
-            entries = self.storage.get(key)
+            if kind == _GENERIC:
+                return self._generic(func, types, args, kwargs)
+            index, entries = slot[3], slot[2]
             entry = None if entries is None else entries.get(index)
             if entry is None or entry is _CONSUMED:  # torch raises its own error
+                self.func_counter[func] = index
                 return super().__torch_dispatch__(func, types, args, kwargs)
-            self.func_counter[key] = index + 1
+            slot[3] = index + 1
             if entry is _RECOMPUTE:
-                return func(*args, **(kwargs or {}))
+                return func._op(*args, **kwargs) if kwargs else func._op(*args)
             if type(entry) is Placeholder:
                 return entry.make()
             if entry is INPLACE_SKIP:
@@ -200,6 +229,20 @@ def _mode_classes() -> dict:
             if type(entry) is _VersionWrapper:
                 return entry.get_val(self.allow_cache_entry_mutation)
             return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
+
+        def _generic(self, func, types, args, kwargs):
+            """A HOP: its storage key comes from its arguments (torch's path, with our
+            cache entries)."""
+            key = _sac_storage_key(func, args)
+            index = self.func_counter[key]
+            entries = self.storage.get(key)
+            entry = None if entries is None else entries.get(index)
+            if entry is None or entry is _CONSUMED or entry is _RECOMPUTE or type(entry) is _VersionWrapper:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            self.func_counter[key] = index + 1
+            if type(entry) is Placeholder:
+                return entry.make()
+            return args[0]  # INPLACE_SKIP
 
     return {_CachingTorchDispatchMode: _Caching, _CachedTorchDispatchMode: _Cached}
 

@@ -188,7 +188,8 @@ class OpSACPolicy:
     """
 
     def __init__(self, save_ops: frozenset, *, rules, scope: ModuleScope | None = None, trace: bool = False,
-                 explicit_save_ops: frozenset = frozenset(), info: dict | None = None, table: dict | None = None):
+                 explicit_save_ops: frozenset = frozenset(), info: dict | None = None, table: dict | None = None,
+                 fast: dict | None = None):
         if rules is None:
             raise TypeError("OpSACPolicy needs its rules (an activation_checkpoint.OpSAC)")
         self.info = info or {}  # what the rules noted about the block (OpSAC.block_info)
@@ -220,6 +221,13 @@ class OpSACPolicy:
         if plans is not None and self.plan is None and self.plan_key is not None and rules.decisions_final(self):
             self.recorder = CallRecorder()
             PACK_LISTENERS.append(self.recorder.on_pack)
+        # id(op) -> policy for the ops decided once per block that need no per-call work (not
+        # matmuls, no plan entry, no SKIP): the caching mode then does not call `forward_op`.
+        # One per plan (its entries depend on the plan) or per block; none while recording,
+        # tracing or observing, which see every op.
+        self.fast = None
+        if self.recorder is None and not trace and self._observe is None:
+            self.fast = self.plan.fast if self.plan is not None else fast
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -252,6 +260,9 @@ class OpSACPolicy:
                 policy = _MUST_SAVE  # kept by the plan (or cached until the forward ends, then a Placeholder)
         if self.trace:
             trace(func, verdict, note)
+        elif self.fast is not None and static is not None and not is_mm and verdict != "SKIP" and \
+                (keep is None or id(func) not in keep):
+            self.fast[id(func)] = policy
         if not is_recompute:
             if self.compiled is None:
                 self.compiled = tracing_for_compile()

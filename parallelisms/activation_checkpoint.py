@@ -329,11 +329,12 @@ class OpSAC(ACPolicy):
         if block is not None and scope.patterns:
             scope.install(block, prefix)
         table: dict = {}
+        fast: dict = {}
 
         def context_fn():
             # A plain closure (not a partial of objects) so that dynamo accepts it.
             return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(), explicit_save_ops=explicit,
-                                              rules=rules, info=info, table=table))
+                                              rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = scope  # type: ignore[attr-defined]
         return context_fn
