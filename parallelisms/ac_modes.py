@@ -147,11 +147,13 @@ def _mode_classes() -> dict:
         return _get_mode(_PROXY) is not None and _is_compiling(func, args, kwargs)
 
     def slot_of(mode, func) -> list:
-        """[func, kind, its storage entries (plain ops), next invocation index]: made once
-        per op and call, found by `id` (an OpOverload's hash is Python code)."""
+        """[func, kind, its storage entries (plain ops), next invocation index, callable]:
+        made once per op and call, found by `id` (an OpOverload's hash is Python code)."""
         kind = _op_kind(func, SAC_IGNORED_OPS)
         entries = mode.storage[func] if mode.creates and kind in (_PLAIN, _CAST) else mode.storage.get(func)
-        slot = mode.slots[id(func)] = [func, kind, entries, 0]
+        # The op's C++ callable (one Python frame less), unless a subclass has its own __call__.
+        call = func._op if type(func) is torch._ops.OpOverload else func
+        slot = mode.slots[id(func)] = [func, kind, entries, 0, call]
         return slot
 
     class _Caching(_CachingTorchDispatchMode):
@@ -175,7 +177,7 @@ def _mode_classes() -> dict:
             if kind == _GENERIC or self.forward_op is None:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             # torch's caching step for an OpOverload: the entry's index is its invocation index.
-            out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+            out = slot[4](*args, **kwargs) if kwargs else slot[4](*args)
             entries = slot[2]
             index = len(entries)
             fast = self.fast
@@ -220,7 +222,7 @@ def _mode_classes() -> dict:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             slot[3] = index + 1
             if entry is _RECOMPUTE:
-                return func._op(*args, **kwargs) if kwargs else func._op(*args)
+                return slot[4](*args, **kwargs) if kwargs else slot[4](*args)
             if type(entry) is Placeholder:
                 return entry.make()
             if entry is INPLACE_SKIP:

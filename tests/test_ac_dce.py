@@ -29,7 +29,7 @@ def recomputed(monkeypatch):
     real = cls.__torch_dispatch__
 
     def dispatch(self, func, types, args=(), kwargs=None):
-        slot = self.slots.get(id(func))  # [op, kind, entries, next index]
+        slot = self.slots.get(id(func))  # [op, kind, entries, next index, callable]
         entry = self.storage.get(func, {}).get(slot[3] if slot is not None else 0)
         if entry is _RECOMPUTE:
             ran[func] += 1
