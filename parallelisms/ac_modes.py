@@ -192,8 +192,9 @@ def _mode_classes() -> dict:
 
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)
-            if finish is not None:  # per-op counts: one storage entry per call of each op
-                finish(self.storage, {key: len(entries) for key, entries in self.storage.items()})
+            if finish is not None:  # per-op counts: one storage entry per call of each op (casts
+                # of parameters only, all bypassed, leave an empty one: not counted)
+                finish(self.storage, {key: len(entries) for key, entries in self.storage.items() if entries})
             return super().__exit__(*exc)
 
     class _Cached(_CachedTorchDispatchMode):
