@@ -87,6 +87,9 @@ class MemoryModel:
     def __init__(self, base_argv: list[str], device: str, gpus_per_node: int, overheads=None):
         self.base_argv, self.device, self.gpn, self.overheads = list(base_argv), device, gpus_per_node, overheads
         self.cache: dict = {}
+        from trainer.memory.estimate_cache import EstimateCache
+
+        self.shared = EstimateCache()  # assemblies and probes shared by all the references
         self.calls = 0
         self.hits = 0
         self.seconds = 0.0
@@ -107,6 +110,18 @@ class MemoryModel:
         self.seconds += time.perf_counter() - t0
         return est
 
+    def _estimate_pair(self, ref: Plan, double: Plan) -> tuple:
+        """The estimator's fast path on both references at once (one layout, one AC setting):
+        equal bytes to `estimate_exact`, with assemblies and probes shared through `shared`."""
+        from trainer.memory.estimate import estimate_memories
+
+        t0 = time.perf_counter()
+        est, est2 = estimate_memories([self.config_for(ref), self.config_for(double)], ref.world, device=self.device,
+                                      overheads=self.overheads, cache=self.shared)
+        self.calls += 2
+        self.seconds += time.perf_counter() - t0
+        return est, est2
+
     def reference(self, plan: Plan):
         """(reference plan, its estimate, the estimate at twice its microbatch): two points,
         because a block's backward transient and the loss peak have parts that do not grow
@@ -117,7 +132,7 @@ class MemoryModel:
         else:
             ref = reference_plan(plan)
             double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
-            self.cache[key] = (ref, self.estimate_exact(ref), self.estimate_exact(double))
+            self.cache[key] = (ref, *self._estimate_pair(ref, double))
         return self.cache[key]
 
     def cached(self, plan: Plan) -> bool:

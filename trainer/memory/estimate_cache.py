@@ -28,10 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.memory.assemble import Layout, assemble_rank, chunked_ce_allowed
+from trainer.memory.assemble import Layout, assemble_rank, assembly_config, chunked_ce_allowed, fake_world
 from trainer.memory.device_overhead import nccl_communicators
 from trainer.memory.probes import is_expert
-from trainer.memory.rank_facts import BlockReadout, RankFacts, RankParams, probe_blocks, probe_heads, read_params
+from trainer.memory.rank_facts import (
+    BlockReadout,
+    RankFacts,
+    RankParams,
+    merge_params,
+    probe_blocks,
+    probe_heads,
+    read_modules,
+    read_params,
+)
 
 # Settings that neither the assembly nor a probe reads (the estimate reads some of them itself).
 _UNREAD_SECTIONS = ("job", "data", "validation", "optimizer", "lr_scheduler", "checkpoint", "metrics", "profiling",
@@ -73,6 +82,14 @@ def layout_key(cfg, world: int, device: str) -> tuple:
                       ac=False, loss=False))
 
 
+def shard_key(cfg, layout: Layout, device: str) -> tuple:
+    """What one module's parameters and FSDP units depend on: the sharding degrees, not pp
+    (only whether PP is on), the schedule or the stage it sits in."""
+    loss = dataclasses.replace(cfg.loss, chunked_ce=False)
+    return (device, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.fsdp, layout.pp > 1,
+            repr(loss), _settings(cfg, parallelism=_PIPELINE_AND_DP, ac=False, loss=False))
+
+
 def _probe_context(cfg, layout: Layout, device: str, *, ac: bool) -> tuple:
     """What a block's (ac=True) or the head's probe depends on besides its input shape."""
     return (device, layout.tp, layout.cp, layout.ep, layout.sequence_parallel, layout.loss_parallel, layout.fsdp,
@@ -87,24 +104,17 @@ def _layer_sig(module) -> tuple:
 class _Split:
     """The pipeline split of one layout, from the meta model (no assembly)."""
 
+    stage_fqns: list  # per stage: its model-level modules ("tok_embeddings", "layers.K", "norm", ...)
     stage_sigs: list  # per stage: its modules, blocks as their unsharded parameter signature
     stage_layers: list  # per stage: its block ids
     stage_has_embedding: list
     rank_stages: list  # per PP rank: its stage ids, in part order
     head_rank: int
     layer_sig: dict  # block id -> signature
+    custom: bool  # the split is the user's (module_fqns_per_model_part): readings stay per stage
 
-
-def _merge(parts: list[RankParams]) -> RankParams:
-    """One rank's `RankParams` from its parts' (what `read_params` sums over the parts)."""
-    units: dict = {}
-    matrix: dict = {}
-    for p in parts:
-        for k, v in p.unit_bytes.items():
-            units[k] = units.get(k, 0) + v
-        for k, v in p.matrix_numel.items():
-            matrix[k] = matrix.get(k, 0) + v
-    return RankParams(sum(p.param_bytes for p in parts), units, sum(p.head_param_bytes for p in parts), matrix)
+    def module_sig(self, fqn: str):
+        return ("block", self.layer_sig[int(fqn.split(".")[1])]) if fqn.startswith("layers.") else fqn
 
 
 def _relabel(p: RankParams, ids: dict) -> RankParams:
@@ -122,7 +132,11 @@ class EstimateCache:
     def __init__(self):
         self._splits: dict = {}  # (model, layout) -> _Split
         self._stages: dict = {}  # (layout key, stage signature) -> (RankParams of the stage, its block ids)
-        self._layouts: dict = {}  # layout key -> (communicators, precision, stream dtype)
+        self._modules: dict = {}  # (shard key, module signature) -> (its RankParams, its block id or None)
+        self._additive: dict = {}  # shard key -> whether stages are the sum of their modules (no root params)
+        self._precisions: dict = {}  # shard key -> (Precision, stream dtype)
+        self._extra_groups: dict = {}  # (shard key, parts per rank) -> process groups the assembly adds to the mesh's
+        self._layouts: dict = {}  # layout key -> NCCL communicators of rank 0
         self._blocks: dict = {}  # block key -> BlockProbe
         self._heads: dict = {}  # head key -> (this loss path, the other)
         self._embeddings: dict = {}  # (context, microbatch) -> bytes
@@ -152,7 +166,8 @@ class EstimateCache:
             ranks = [stage_ids_for_rank(r, layout.pp, spr, _placement(cfg) == "V") if layout.pp > 1 else [0]
                      for r in range(layout.pp)]
             head = next(r for r, ids in enumerate(ranks) if any("output" in fqns[s] for s in ids))
-            self._splits[key] = _Split(sigs, layers, ["tok_embeddings" in s for s in fqns], ranks, head, sig)
+            self._splits[key] = _Split(fqns, sigs, layers, ["tok_embeddings" in s for s in fqns], ranks, head, sig,
+                                       par.module_fqns_per_model_part is not None and layout.pp > 1)
         return self._splits[key]
 
     # ---- keys ----
@@ -186,35 +201,41 @@ class EstimateCache:
         """`RankFacts` of each (cfg, layout, microbatch) in `items`, which share the layout and
         the AC settings (they may differ in batch sizes); assembles only what is not known."""
         cfg0, layout0, _ = items[0]
-        lkey = layout_key(cfg0, world, device)
+        lkey, skey = layout_key(cfg0, world, device), shard_key(cfg0, layout0, device)
         ac0 = repr(cfg0.activation_checkpoint)
         if any(layout_key(c, world, device) != lkey or repr(c.activation_checkpoint) != ac0 for c, *_ in items):
             raise ValueError("EstimateCache.read: items must share the layout and the AC settings")
         split = self._split(cfg0, layout0)
+        gkey = (skey, len(split.rank_stages[0]))
         factors = (1.0,) + ((skew,) if skew is not None else ())
         jobs = [(cfg, layout, mb, f) for cfg, layout, mb in items for f in factors]
-        head_jobs = [(cfg, layout, mb) for cfg, layout, mb in items]
 
         def block_missing(job):
             cfg, layout, mb, f = job
             keys = self._block_keys(split, cfg, layout, mb, device, f)
-            return [lid for lid, k in keys.items() if k not in self._blocks] or \
+            return any(k not in self._blocks for k in keys.values()) or \
                 (f == 1.0 and self._embedding_key(cfg, layout, mb, device) not in self._embeddings)
 
-        def head_missing(job):
-            return self._head_key(job[0], job[1], job[2], device) not in self._heads
+        def heads_missing(r: int) -> bool:
+            return r == split.head_rank and any(self._head_key(c, l, mb, device) not in self._heads
+                                                for c, l, mb in items)
+
+        def unread(r: int) -> bool:
+            return any(self._stage_reading(lkey, skey, split, s) is None for s in split.rank_stages[r])
 
         calibrating = cfg0.activation_checkpoint.mode == "budget"
         pending = [j for j in jobs if block_missing(j)]
-        new_layout = lkey not in self._layouts
-        heads_here = split.head_rank == 0 and any(map(head_missing, head_jobs))
+        mesh_groups = self._mesh_groups(cfg0, world, device) if lkey not in self._layouts else None
         first = True
-        # Rank 0: its stages' parameters (a new layout), the blocks and embedding, the head if there.
-        while pending or (first and (new_layout or heads_here)):
+        # Rank 0: the blocks and the embedding, its stages if new, the head if there, and what
+        # assembling adds to the mesh's process groups (once per sharding).
+        while pending or (first and (unread(0) or heads_missing(0) or gkey not in self._extra_groups)):
             with self._assemble(cfg0, world, 0, device) as rank:
-                if first and new_layout:
-                    self._read_stages(rank, lkey, split, 0)
-                    self._layouts[lkey] = (nccl_communicators(), rank.precision, rank.stream_dtype)
+                if first:
+                    self._read_stages(rank, lkey, skey, split, 0)
+                    if gkey not in self._extra_groups:
+                        self._extra_groups[gkey] = nccl_communicators() - mesh_groups
+                        self._precisions[skey] = (rank.precision, rank.stream_dtype)
                 pristine = True
                 for job in list(pending):
                     if calibrating and not pristine:
@@ -222,32 +243,71 @@ class EstimateCache:
                     self._probe(rank, split, job, device)
                     pending.remove(job)
                     pristine = False
-                if first and heads_here:
-                    self._probe_heads(rank, head_jobs, device)
+                if first and heads_missing(0):
+                    self._probe_heads(rank, items, device)
             first = False
-        # The head's rank, then every rank holding a stage shape not read yet.
+        # The head's rank, then every rank holding a stage (or module) not read yet.
         for r in [split.head_rank] + list(range(1, layout0.pp)):
-            stage_unseen = any((lkey, split.stage_sigs[s]) not in self._stages for s in split.rank_stages[r])
-            heads = r == split.head_rank and r != 0 and any(map(head_missing, head_jobs))
-            if stage_unseen or heads:
+            if r and (unread(r) or heads_missing(r)):
                 with self._assemble(cfg0, world, r, device) as rank:
-                    self._read_stages(rank, lkey, split, r)
-                    if heads:
-                        self._probe_heads(rank, head_jobs, device)
-        return [self._facts(split, lkey, cfg, layout, mb, device, skew) for cfg, layout, mb in items]
+                    self._read_stages(rank, lkey, skey, split, r)
+                    if heads_missing(r):
+                        self._probe_heads(rank, items, device)
+        if lkey not in self._layouts:
+            self._layouts[lkey] = mesh_groups + self._extra_groups[gkey]
+        return [self._facts(split, lkey, skey, cfg, layout, mb, device, skew) for cfg, layout, mb in items]
 
     def _assemble(self, cfg, world: int, pp_rank: int, device: str):
         self.assemblies += 1
         return assemble_rank(cfg, world, pp_rank=pp_rank, device=device)
 
-    def _read_stages(self, rank, lkey: tuple, split: _Split, r: int) -> None:
-        for part, sid in zip(rank.parts, split.rank_stages[r]):
-            key = (lkey, split.stage_sigs[sid])
-            if key not in self._stages:
-                self._stages[key] = (read_params([part]), split.stage_layers[sid])
+    @staticmethod
+    def _mesh_groups(cfg, world: int, device: str) -> int:
+        """Rank 0's communicators of the device mesh alone (no model: milliseconds)."""
+        from parallelisms.parallel_dims import ParallelDims
 
-    def _probe_heads(self, rank, head_jobs: list, device: str) -> None:
-        for cfg, layout, mb in head_jobs:
+        dims = ParallelDims.from_config(assembly_config(cfg, device).parallelism, world)
+        with fake_world(world, 0):
+            dims.build_mesh("cpu")
+            return nccl_communicators()
+
+    def _read_stages(self, rank, lkey: tuple, skey: tuple, split: _Split, r: int) -> None:
+        """Keeps each part's reading as its stage's, and, where a stage is the sum of its
+        modules (FSDP's root unit holds nothing), each module's for stages of any split."""
+        empty = RankParams(0, {}, 0, {})
+        for part, sid in zip(rank.parts, split.rank_stages[r]):
+            self._stages.setdefault((lkey, split.stage_sigs[sid]), (read_params([part]), split.stage_layers[sid]))
+            modules = read_modules(part)
+            root = modules.get("", empty)
+            additive = not split.custom and root.param_bytes == 0 and not any(root.unit_bytes.values()) and \
+                set(modules) <= set(split.stage_fqns[sid]) | {""}
+            self._additive[skey] = self._additive.get(skey, True) and additive
+            if not additive:
+                continue
+            self._modules[(skey, "")] = (root, None)
+            for fqn in split.stage_fqns[sid]:
+                lid = int(fqn.split(".")[1]) if fqn.startswith("layers.") else None
+                self._modules.setdefault((skey, split.module_sig(fqn)), (modules.get(fqn, empty), lid))
+
+    def _stage_reading(self, lkey: tuple, skey: tuple, split: _Split, sid: int) -> RankParams | None:
+        """Stage `sid`'s reading: its own, or the sum of its modules' read in other stages."""
+        ids = split.stage_layers[sid]
+        if (lkey, split.stage_sigs[sid]) in self._stages:
+            params, own = self._stages[(lkey, split.stage_sigs[sid])]
+            return _relabel(params, dict(zip(own, ids)))
+        if not self._additive.get(skey, False):
+            return None
+        readings = []
+        for fqn in [*split.stage_fqns[sid], ""]:
+            hit = self._modules.get((skey, split.module_sig(fqn) if fqn else ""))
+            if hit is None:
+                return None
+            reading, lid = hit
+            readings.append(_relabel(reading, {lid: int(fqn.split(".")[1])} if lid is not None else {}))
+        return merge_params(readings)
+
+    def _probe_heads(self, rank, items: list, device: str) -> None:
+        for cfg, layout, mb in items:
             key = self._head_key(cfg, layout, mb, device)
             if key not in self._heads:
                 self._heads[key] = probe_heads(rank, cfg, layout, mb)
@@ -262,16 +322,12 @@ class EstimateCache:
         if factor == 1.0:
             self._embeddings[self._embedding_key(cfg, layout, mb, device)] = readout.embedding_saved
 
-    def _facts(self, split: _Split, lkey: tuple, cfg, layout: Layout, mb: int, device: str,
+    def _facts(self, split: _Split, lkey: tuple, skey: tuple, cfg, layout: Layout, mb: int, device: str,
                skew: float | None) -> RankFacts:
-        per_rank = []
-        for r, stage_ids in enumerate(split.rank_stages):
-            parts = []
-            for sid in stage_ids:
-                params, ids = self._stages[(lkey, split.stage_sigs[sid])]
-                parts.append(_relabel(params, dict(zip(ids, split.stage_layers[sid]))))
-            per_rank.append(_merge(parts))
-        communicators, precision, dtype = self._layouts[lkey]
+        per_rank = [merge_params([self._stage_reading(lkey, skey, split, sid) for sid in stage_ids])
+                    for stage_ids in split.rank_stages]
+        communicators = self._layouts[lkey]
+        precision, dtype = self._precisions[skey]
         stage_layers = [list(split.stage_layers[s]) for s in split.rank_stages[0]]
 
         def readout(factor: float) -> BlockReadout:

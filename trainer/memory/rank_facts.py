@@ -47,25 +47,54 @@ def _layer_key(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else name
 
 
+def top_module(name: str) -> str:
+    """The model-level module a parameter or FSDP unit name belongs to: "layers.K",
+    "tok_embeddings", "norm", ... ("" for the part itself)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+
+
+def read_modules(part) -> dict[str, RankParams]:
+    """One assembled part's reading, split by `top_module` (each FSDP unit goes to the
+    module its first wrapped module belongs to; norm + output's unit to "norm")."""
+    out: dict[str, RankParams] = {}
+
+    def of(name: str) -> RankParams:
+        return out.setdefault(top_module(name), RankParams(0, {}, 0, {}))
+
+    for name, p in part.named_parameters():
+        r = of(name)
+        r.param_bytes += tensor_bytes([p])
+        if name.startswith(("norm.", "output.")):
+            r.head_param_bytes += tensor_bytes([p])
+        if name.startswith("layers.") and p.dim() == 2:
+            lid = int(name.split(".")[1])
+            r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + local(p).numel()
+    for name, state in fsdp_states(part).items():
+        # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
+        gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
+                       for group in state._fsdp_param_groups for fp in group.fsdp_params)
+        key = "head" if name in ("norm", "output") else _layer_key(name)
+        units = of(name).unit_bytes
+        units[key] = units.get(key, 0) + gathered
+    return out
+
+
+def merge_params(readings) -> RankParams:
+    """The sum of several readings (modules of a part, parts of a rank)."""
+    units: dict = {}
+    matrix: dict = {}
+    for r in readings:
+        for k, v in r.unit_bytes.items():
+            units[k] = units.get(k, 0) + v
+        for k, v in r.matrix_numel.items():
+            matrix[k] = matrix.get(k, 0) + v
+    return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix)
+
+
 def read_params(parts) -> RankParams:
-    param_bytes = head = 0
-    matrix: dict[int, int] = {}
-    units: dict[str, int] = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            param_bytes += tensor_bytes([p])
-            if name.startswith(("norm.", "output.")):
-                head += tensor_bytes([p])
-            if name.startswith("layers.") and p.dim() == 2:
-                lid = int(name.split(".")[1])
-                matrix[lid] = matrix.get(lid, 0) + local(p).numel()
-        for name, state in fsdp_states(part).items():
-            # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
-            gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
-                           for group in state._fsdp_param_groups for fp in group.fsdp_params)
-            key = "head" if name in ("norm", "output") else _layer_key(name)
-            units[key] = units.get(key, 0) + gathered
-    return RankParams(param_bytes, units, head, matrix)
+    """What this rank's assembled parts hold: local parameter shards and FSDP units."""
+    return merge_params([r for part in parts for r in read_modules(part).values()])
 
 
 # ---------------------------------------------------------------------------
