@@ -315,10 +315,13 @@ class EstimateCache:
     def _probe(self, rank, split: _Split, job, device: str) -> None:
         cfg, layout, mb, factor = job
         keys = self._block_keys(split, cfg, layout, mb, device, factor)
-        missing = {lid for lid, k in keys.items() if k not in self._blocks}
-        readout = probe_blocks(rank, cfg, layout, mb, factor, want=missing.__contains__)
-        for lid in missing:
-            self._blocks[keys[lid]] = readout.probes[readout.kind_of[lid]]
+        first_of: dict = {}  # one block per missing key (FSDP's lazy init can make equal blocks look unequal)
+        for lid, key in keys.items():
+            if key not in self._blocks:
+                first_of.setdefault(key, lid)
+        readout = probe_blocks(rank, cfg, layout, mb, factor, want=set(first_of.values()).__contains__)
+        for key, lid in first_of.items():
+            self._blocks[key] = readout.probes[readout.kind_of[lid]]
         if factor == 1.0:
             self._embeddings[self._embedding_key(cfg, layout, mb, device)] = readout.embedding_saved
 
