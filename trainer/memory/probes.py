@@ -245,6 +245,7 @@ def _warmed(probe):
         return probe(*args, **kwargs)
 
     run.__doc__ = probe.__doc__
+    run.once = probe  # one call: for a policy that does not calibrate (see EstimateCache)
     return run
 
 

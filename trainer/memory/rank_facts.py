@@ -110,11 +110,12 @@ class BlockReadout:
 
 
 def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0,
-                 want: Callable[[int], bool] | None = None) -> BlockReadout:
+                 want: Callable[[int], bool] | None = None, warm: bool = True) -> BlockReadout:
     """Probes every distinct block of this rank's parts (same local parameter shapes, AC
     mode and input), and what the embedding keeps. `receive_factor`: EP ranks receive that
     many times the balanced rows (the busiest rank of a skewed routing). `want(layer id)`:
-    probe only those blocks (the others' kinds are still recorded); None: all."""
+    probe only those blocks (the others' kinds are still recorded); None: all. `warm`:
+    keep a block's second call (the first may calibrate its AC policy); False: its first."""
     from parallelisms.ac_measure import SavedActivationCounter
     from parallelisms.activation_checkpoint import block_mode
 
@@ -143,8 +144,9 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0
                 kind_of[lid] = kind
                 if kind not in probes and (want is None or want(lid)):
                     strip_fsdp(part, block)
-                    probes[kind] = probe_block(block, rope, input_shape=shape, dtype=dtype,
-                                               autocast=rank.precision.autocast, constants=(part.rope_cache, rope))
+                    probe = probe_block if warm else probe_block.once
+                    probes[kind] = probe(block, rope, input_shape=shape, dtype=dtype,
+                                         autocast=rank.precision.autocast, constants=(part.rope_cache, rope))
                     label_of[kind] = f"{mode}/{'moe' if any(is_expert(n) for n, *_ in sig) else 'dense'}"
             if part.tok_embeddings is not None:
                 strip_fsdp(part, part.tok_embeddings)
