@@ -231,7 +231,7 @@ class EstimateCache:
         # Rank 0: the blocks and the embedding, its stages if new, the head if there, and what
         # assembling adds to the mesh's process groups (once per sharding).
         while pending or (first and (unread(0) or heads_missing(0) or gkey not in self._extra_groups)):
-            with self._assemble(cfg0, world, 0, device) as rank:
+            with self._assemble(cfg0, world, 0, device, fake=bool(pending) or (first and heads_missing(0))) as rank:
                 if first:
                     self._read_stages(rank, lkey, skey, split, 0)
                     if gkey not in self._extra_groups:
@@ -250,7 +250,7 @@ class EstimateCache:
         # The head's rank, then every rank holding a stage (or module) not read yet.
         for r in [split.head_rank] + list(range(1, layout0.pp)):
             if r and (unread(r) or heads_missing(r)):
-                with self._assemble(cfg0, world, r, device) as rank:
+                with self._assemble(cfg0, world, r, device, fake=heads_missing(r)) as rank:
                     self._read_stages(rank, lkey, skey, split, r)
                     if heads_missing(r):
                         self._probe_heads(rank, items, device)
@@ -258,9 +258,10 @@ class EstimateCache:
             self._layouts[lkey] = mesh_groups + self._extra_groups[gkey]
         return [self._facts(split, lkey, skey, cfg, layout, mb, device, skew) for cfg, layout, mb in items]
 
-    def _assemble(self, cfg, world: int, pp_rank: int, device: str):
+    def _assemble(self, cfg, world: int, pp_rank: int, device: str, fake: bool):
+        """Assembles a rank; on fake tensors only where something is probed on it."""
         self.assemblies += 1
-        return assemble_rank(cfg, world, pp_rank=pp_rank, device=device)
+        return assemble_rank(cfg, world, pp_rank=pp_rank, device=device, fake=fake)
 
     @staticmethod
     def _mesh_groups(cfg, world: int, device: str) -> int:
