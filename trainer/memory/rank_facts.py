@@ -20,9 +20,9 @@ from trainer.memory.probes import (
     balanced_experts,
     fsdp_states,
     is_expert,
-    local,
     probe_block,
     probe_head,
+    shard,
     strip_fsdp,
     tensor_bytes,
     use_memory_probes,
@@ -69,7 +69,7 @@ def read_modules(part) -> dict[str, RankParams]:
             r.head_param_bytes += tensor_bytes([p])
         if name.startswith("layers.") and p.dim() == 2:
             lid = int(name.split(".")[1])
-            r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + local(p).numel()
+            r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + shard(p).numel()
     for name, state in fsdp_states(part).items():
         # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
         gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
@@ -139,7 +139,7 @@ def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0
                     else layout.residual_seq(seq)
                 shape = (mb, rows, cfg.model_args.dim)
                 mode = block_mode(cfg.activation_checkpoint, lid)
-                sig = tuple((n, tuple(local(p).shape), p.dtype) for n, p in block.named_parameters())
+                sig = tuple((n, tuple(shard(p).shape), p.dtype) for n, p in block.named_parameters())
                 kind = (sig, mode, shape)
                 kind_of[lid] = kind
                 if kind not in probes and (want is None or want(lid)):
