@@ -5,7 +5,10 @@ path on fake tensors, which takes 0.5 s for an 8B model and several seconds for 
 with PP (every PP rank is assembled). A search visits thousands of plans, but only a few
 distinct *local shapes*. So the estimator runs once per structural key (tp, cp and its
 method, pp with its schedule and stages, ep, AC, chunked CE, HSDP or not) on the smallest
-world with those degrees and the smallest microbatch, and a plan is then read off it:
+world with those degrees and the smallest microbatch, through its fast path
+(`trainer.memory.estimate_cache.EstimateCache`, shared by every key: one assembled rank per
+distinct stage or module shape, probes shared across keys, equal bytes to the full path),
+and a plan is then read off it:
 
 - parameters, gradients and AdamW states are sharded over dp_shard (x cp, x tp for
   experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding);
