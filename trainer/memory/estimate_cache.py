@@ -6,11 +6,14 @@ a layout search asks for hundreds of estimates that differ in a few settings. Wh
 reading depends on is narrower than the whole config, so each is kept under that key:
 
 - a PP rank's parameters and FSDP units depend on the layout and the model, not on AC,
-  batch sizes or the loss. Two pipeline stages that hold the same kinds of blocks (equal
-  unsharded parameter shapes) in the same order, and the same other modules (embedding,
-  norm + output), hold the same bytes: per layout, one rank is assembled for each stage
-  shape not seen yet (rank 0, the head's rank, the odd middle one), and every other
-  rank's counts are read off those stages;
+  batch sizes or the loss, and they are the sum of its modules' (each block, the
+  embedding, norm + output; FSDP's root unit holds nothing). A module's reading depends
+  only on the sharding degrees and the module's unsharded parameter shapes, not on pp,
+  placement or the stage it sits in: a rank is assembled only while one of its modules is
+  new for this sharding (rank 0 and the head's rank of the first pipeline layout), and
+  every other rank's counts, of this layout or another pp, are summed from those. Where a
+  stage is not the sum of its modules (root parameters, the user's own split), readings
+  are kept per stage shape of the layout instead;
 - a block's probe depends on its kind, AC mode, input shape and the plans that change the
   block (tp, cp, ep, sequence parallel, FSDP's compute dtype), not on pp, dp_shard, HSDP or
   the schedule; the head's and the embedding's probes likewise, without AC;
@@ -94,6 +97,7 @@ def shard_key(cfg, layout: Layout, device: str) -> tuple:
 def _probe_context(cfg, layout: Layout, device: str, *, ac: bool) -> tuple:
     """What a block's (ac=True) or the head's probe depends on besides its input shape."""
     return (device, layout.tp, layout.cp, layout.ep, layout.sequence_parallel, layout.loss_parallel, layout.fsdp,
+            layout.dp_replicate * layout.dp_shard > 1,  # a batch-scope balance loss reduces over dp
             _settings(cfg, parallelism=_PIPELINE_AND_DP, ac=ac, loss=not ac))
 
 
