@@ -14,9 +14,9 @@ reading depends on is narrower than the whole config, so each is kept under that
   every other rank's counts, of this layout or another pp, are summed from those. Where a
   stage is not the sum of its modules (root parameters, the user's own split), readings
   are kept per stage shape of the layout instead;
-- a block's probe depends on its kind, AC mode, input shape and the plans that change the
-  block (tp, cp, ep, sequence parallel, FSDP's compute dtype), not on pp, dp_shard, HSDP or
-  the schedule; the head's and the embedding's probes likewise, without AC;
+- a block's probe depends on its kind, AC mode, input shape and the layout without pp
+  (dp_replicate, dp_shard, tp, cp, ep, sequence parallel, FSDP's compute dtype), not on pp,
+  the schedule or the stage; the head's and the embedding's probes likewise, without AC;
 - one assembly of rank 0 serves every batch size asked for together and the EP-skewed
   probe, and a block is probed once (the reference path keeps its second call), except
   under AC mode `budget`, whose policy calibrates each block kind on its first call: there
@@ -96,9 +96,11 @@ def shard_key(cfg, layout: Layout, device: str) -> tuple:
 
 def _probe_context(cfg, layout: Layout, device: str, *, ac: bool) -> tuple:
     """What a block's (ac=True) or the head's probe depends on besides its input shape."""
-    return (device, layout.tp, layout.cp, layout.ep, layout.sequence_parallel, layout.loss_parallel, layout.fsdp,
-            layout.dp_replicate * layout.dp_shard > 1,  # a batch-scope balance loss reduces over dp
-            _settings(cfg, parallelism=_PIPELINE_AND_DP, ac=ac, loss=not ac))
+    # dp_replicate and dp_shard stay in: under HSDP an EP block's backward keeps more (found by
+    # comparing a whole 671B search against the full path), and a batch-scope balance loss
+    # reduces over dp. The planner's references of one (tp, cp, ep) share dp_shard anyway.
+    return (device, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+            layout.loss_parallel, layout.fsdp, _settings(cfg, parallelism=_PIPELINE_AND_DP, ac=ac, loss=not ac))
 
 
 def _layer_sig(module) -> tuple:
