@@ -43,7 +43,6 @@ from trainer.memory.rank_facts import (
     probe_blocks,
     probe_heads,
     read_modules,
-    read_params,
 )
 
 # Settings that neither the assembly nor a probe reads (the estimate reads some of them itself).
@@ -284,8 +283,9 @@ class EstimateCache:
         modules (FSDP's root unit holds nothing), each module's for stages of any split."""
         empty = RankParams(0, {}, 0, {})
         for part, sid in zip(rank.parts, split.rank_stages[r]):
-            self._stages.setdefault((lkey, split.stage_sigs[sid]), (read_params([part]), split.stage_layers[sid]))
-            modules = read_modules(part)
+            modules = read_modules(part)  # read_params([part]) is their sum
+            self._stages.setdefault((lkey, split.stage_sigs[sid]),
+                                    (merge_params(list(modules.values())), split.stage_layers[sid]))
             root = modules.get("", empty)
             additive = not split.custom and root.param_bytes == 0 and not any(root.unit_bytes.values()) and \
                 set(modules) <= set(split.stage_fqns[sid]) | {""}
