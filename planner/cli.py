@@ -131,7 +131,8 @@ def run(opts: dict, rest: list[str]) -> int:
     st = search.stats
     title = (f"plans for {w.name} on {world} x {hw.name} ({hw.hbm_gib:g} GiB), seq {seq}, {tokens:,} tokens per "
              f"step: {st.skeletons} layouts, {st.visited} searched, {st.options_tried} options checked; "
-             f"{memory.calls} estimator runs, {memory.hits} cache hits; {elapsed:.1f} s\n"
+             f"{memory.calls} estimator runs, {memory.hits} cache hits, {memory.shared.assemblies} ranks assembled; "
+             f"{elapsed:.1f} s\n"
              "(~: memory read off a cached estimate of the same local shapes; see --explain)"
              + (f"\nstopped at --max-estimates {opts['max_estimates']}: faster plans may be missing"
                 if search.truncated else ""))

@@ -5,7 +5,10 @@ path on fake tensors, which takes 0.5 s for an 8B model and several seconds for 
 with PP (every PP rank is assembled). A search visits thousands of plans, but only a few
 distinct *local shapes*. So the estimator runs once per structural key (tp, cp and its
 method, pp with its schedule and stages, ep, AC, chunked CE, HSDP or not) on the smallest
-world with those degrees and the smallest microbatch, and a plan is then read off it:
+world with those degrees and the smallest microbatch, through its fast path
+(`trainer.memory.estimate_cache.EstimateCache`, shared by every key: one assembled rank per
+distinct stage or module shape, probes shared across keys, equal bytes to the full path),
+and a plan is then read off it:
 
 - parameters, gradients and AdamW states are sharded over dp_shard (x cp, x tp for
   experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding);
@@ -87,6 +90,9 @@ class MemoryModel:
     def __init__(self, base_argv: list[str], device: str, gpus_per_node: int, overheads=None):
         self.base_argv, self.device, self.gpn, self.overheads = list(base_argv), device, gpus_per_node, overheads
         self.cache: dict = {}
+        from trainer.memory.estimate_cache import EstimateCache
+
+        self.shared = EstimateCache()  # assemblies and probes shared by all the references
         self.calls = 0
         self.hits = 0
         self.seconds = 0.0
@@ -107,6 +113,18 @@ class MemoryModel:
         self.seconds += time.perf_counter() - t0
         return est
 
+    def _estimate_pair(self, ref: Plan, double: Plan) -> tuple:
+        """The estimator's fast path on both references at once (one layout, one AC setting):
+        equal bytes to `estimate_exact`, with assemblies and probes shared through `shared`."""
+        from trainer.memory.estimate import estimate_memories
+
+        t0 = time.perf_counter()
+        est, est2 = estimate_memories([self.config_for(ref), self.config_for(double)], ref.world, device=self.device,
+                                      overheads=self.overheads, cache=self.shared)
+        self.calls += 2
+        self.seconds += time.perf_counter() - t0
+        return est, est2
+
     def reference(self, plan: Plan):
         """(reference plan, its estimate, the estimate at twice its microbatch): two points,
         because a block's backward transient and the loss peak have parts that do not grow
@@ -117,7 +135,7 @@ class MemoryModel:
         else:
             ref = reference_plan(plan)
             double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
-            self.cache[key] = (ref, self.estimate_exact(ref), self.estimate_exact(double))
+            self.cache[key] = (ref, *self._estimate_pair(ref, double))
         return self.cache[key]
 
     def cached(self, plan: Plan) -> bool:

@@ -3,6 +3,7 @@
 
   python scripts/bench_plan.py search [--max-estimates N]   # search time: Llama 3.1 8B on 8 and
                                           # DeepSeek V3 671B on 1,024 H100 (N bounds the 671B search)
+  python scripts/bench_plan.py fastpath   # 671B: the planner's cached estimates vs the full estimator
   python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
   python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
@@ -44,8 +45,47 @@ def bench_search() -> None:
     print("| search | wall s | CPU s (this process) | first lines |\n|---|---|---|---|")
     for argv in cases:
         text, wall, cpu = _search(argv)
-        print(f"| {' '.join(argv[:4])} | {wall:.1f} | {cpu:.1f} | {text.splitlines()[0][:160]} |")
+        print(f"| {' '.join(argv[:4])} | {wall:.1f} | {cpu:.1f} | {text.splitlines()[0]} |")
         print("\n".join(text.splitlines()[1:]))
+
+
+def bench_fastpath() -> None:
+    """DeepSeek V3 671B reference estimates that the 1,024-GPU search visits, through the
+    planner's shared EstimateCache (in this order, so later ones reuse earlier readings) and
+    through the full estimator (every PP rank assembled afresh): every field must be equal."""
+    import dataclasses
+
+    from planner.cli import NEUTRAL
+    from planner.layout import Plan
+    from planner.memory import MemoryModel, reference_plan
+
+    mm = MemoryModel(["--config", "deepseek_v3_671b.toml", *NEUTRAL, "--training.seq_len", "4096"], "cuda", 8)
+
+    def plan(d, rep=1, lb=4, **kw):
+        return Plan(world=1024, dp_replicate=rep, dp_shard=d, local_batch=lb, microbatch=1, **kw)
+
+    plans = [plan(256, pp=4, schedule="Interleaved1F1B", stages_per_rank=2, ep=8, ac="full"),
+             plan(256, pp=4, schedule="ZBVZeroBubble", stages_per_rank=2, ep=8, ac="op"),
+             plan(128, tp=2, pp=4, schedule="Interleaved1F1B", stages_per_rank=2, ep=8, ac="op"),
+             plan(64, rep=2, tp=2, pp=4, schedule="Interleaved1F1B", stages_per_rank=2, ep=8, ac="full"),
+             plan(128, pp=8, schedule="1F1B", ep=4, ac="budget", lb=8),
+             plan(64, tp=2, pp=8, schedule="Interleaved1F1B", stages_per_rank=2, ep=4, ac="none", lb=8)]
+    print("| reference of | AC | microbatch | GiB (tensors + GPU terms) | fields that differ | fast s (ranks assembled) "
+          "| full s |\n|---|---|---|---|---|---|---|")
+    for p in plans:
+        ref = reference_plan(p)
+        double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
+        t, a0 = time.perf_counter(), mm.shared.assemblies
+        _, est, est2 = mm.reference(p)
+        fast = time.perf_counter() - t
+        for point, got in ((ref, est), (double, est2)):
+            t = time.perf_counter()
+            want = mm.estimate_exact(point).to_dict()
+            full = time.perf_counter() - t
+            diff = [k for k, v in want.items() if got.to_dict()[k] != v]
+            print(f"| {p.layout_label()} | {p.ac} | {point.microbatch} | {got.device_total / GiB:.2f} | "
+                  f"{', '.join(diff) or 'none'} | {f'{fast:.1f} ({mm.shared.assemblies - a0})' if point is ref else ''} | "
+                  f"{full:.1f} |", flush=True)
 
 
 # ---- H100 -------------------------------------------------------------------------------------
@@ -135,6 +175,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "search"
     if what == "search":
         bench_search()
+    elif what == "fastpath":
+        bench_fastpath()
     elif what == "h100":
         bench_h100()
     elif what == "validate":

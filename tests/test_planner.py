@@ -117,6 +117,9 @@ def test_estimates_are_cached_per_local_shape_and_scale_exactly():
     exact = mm.estimate_exact(Plan(4, 1, 4, local_batch=8, ac="op"))
     assert mm.calls == 3
     assert big.tensors == pytest.approx(exact.total, rel=0.01)  # read off the reference vs the estimator itself
+    # A plan that is its own reference: the cached fast path gives the full estimator's bytes.
+    ref = Plan(2, 1, 2, local_batch=1, ac="op")
+    assert mm.of(ref).exact and mm.of(ref).tensors == mm.estimate_exact(ref).total
 
 
 def test_predicted_memory_matches_a_measured_step():

@@ -176,9 +176,11 @@ def _to_empty_keeping_ties(part: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda"):
+def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda", fake: bool = True):
     """Yields the `AssembledRank` of PP rank `pp_rank` (data/TP/EP coordinate 0) of `cfg`
-    on `world_size` ranks, assembled by `parallelisms.apply.build_model_parts`."""
+    on `world_size` ranks, assembled by `parallelisms.apply.build_model_parts`. `fake=False`
+    leaves the parts on the meta device: enough to read parameter shapes and FSDP units, not
+    to probe (moving every parameter to a fake tensor is half an assembly's time)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallelisms.apply import build_model_parts, resolve_precision
@@ -200,7 +202,7 @@ def assemble_rank(cfg, world_size: int, *, pp_rank: int = 0, device: str = "cuda
                                   materialize=False)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
-            for part in built.parts:
+            for part in built.parts if fake else ():
                 _to_empty_keeping_ties(part)
         yield AssembledRank(parts=built.parts, dims=dims, precision=precision, fake_mode=fake_mode,
                             pp_rank=pp_rank, stage_layer_ids=[_layer_ids(p) for p in built.parts])

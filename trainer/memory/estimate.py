@@ -21,19 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.memory.assemble import Layout, assemble_rank, chunked_ce_allowed, default_world_size, resolve_layout
-from trainer.memory.device_overhead import GpuOverheads, gpu_overhead_terms, nccl_communicators
-from trainer.memory.probes import (
-    BlockProbe,
-    balanced_experts,
-    fsdp_states,
-    is_expert,
-    local,
-    probe_block,
-    probe_head,
-    strip_fsdp,
-    tensor_bytes,
-    use_memory_probes,
+from trainer.memory.assemble import Layout, default_world_size, resolve_layout
+from trainer.memory.device_overhead import GpuOverheads, gpu_overhead_terms
+from trainer.memory.probes import BlockProbe
+from trainer.memory.rank_facts import (  # noqa: F401 - re-exported: the readers lived here
+    BlockReadout,
+    RankParams,
+    probe_blocks,
+    probe_heads,
+    read_every_rank,
+    read_params,
 )
 
 GiB = 1024**3
@@ -103,118 +100,6 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------------
-# Reading the assembled rank
-# ---------------------------------------------------------------------------
-
-@dataclass
-class RankParams:
-    """What one PP rank's assembled parts hold, before any probe runs."""
-
-    param_bytes: int  # fp32 local shards of every parameter
-    unit_bytes: dict  # FSDP unit -> its gathered size in the compute dtype ("layers.K" units with nested ones)
-    head_param_bytes: int  # local fp32 shards of the final norm + output head
-    matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
-
-
-def _layer_key(name: str) -> str:
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else name
-
-
-def read_params(parts) -> RankParams:
-    param_bytes = head = 0
-    matrix: dict[int, int] = {}
-    units: dict[str, int] = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            param_bytes += tensor_bytes([p])
-            if name.startswith(("norm.", "output.")):
-                head += tensor_bytes([p])
-            if name.startswith("layers.") and p.dim() == 2:
-                lid = int(name.split(".")[1])
-                matrix[lid] = matrix.get(lid, 0) + local(p).numel()
-        for name, state in fsdp_states(part).items():
-            # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
-            gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
-                           for group in state._fsdp_param_groups for fp in group.fsdp_params)
-            key = "head" if name in ("norm", "output") else _layer_key(name)
-            units[key] = units.get(key, 0) + gathered
-    return RankParams(param_bytes, units, head, matrix)
-
-
-# ---------------------------------------------------------------------------
-# Probing the assembled rank
-# ---------------------------------------------------------------------------
-
-@dataclass
-class BlockReadout:
-    probes: dict  # kind -> BlockProbe
-    kind_of: dict  # layer id -> kind
-    label_of: dict  # kind -> "mode/dense" or "mode/moe"
-    embedding_saved: int
-
-
-def probe_blocks(rank, cfg, layout: Layout, mb: int, receive_factor: float = 1.0) -> BlockReadout:
-    """Probes every distinct block of this rank's parts (same local parameter shapes, AC
-    mode and input), and what the embedding keeps. `receive_factor`: EP ranks receive that
-    many times the balanced rows (the busiest rank of a skewed routing)."""
-    from parallelisms.ac_measure import SavedActivationCounter
-    from parallelisms.activation_checkpoint import block_mode
-
-    seq = cfg.training.seq_len
-    dtype = rank.stream_dtype
-    probes: dict = {}
-    kind_of: dict = {}
-    label_of: dict = {}
-    embedding_saved = 0
-    with rank.fake_mode:
-        for part in rank.parts:
-            balanced_experts(part, receive_factor)
-            use_memory_probes(part)
-            # DecoderLM.forward hands the blocks a view of the fp32 RoPE table (no copy).
-            rope = part.rope_cache[: layout.token_seq(seq)]
-            for i, (key, block) in enumerate(part.layers.items()):
-                lid = int(key)
-                # A stage without the embedding receives the full hidden state (the pipeline
-                # sends plain tensors); otherwise the residual stream is this rank's shard.
-                rows = layout.token_seq(seq) if i == 0 and part.tok_embeddings is None \
-                    else layout.residual_seq(seq)
-                shape = (mb, rows, cfg.model_args.dim)
-                mode = block_mode(cfg.activation_checkpoint, lid)
-                sig = tuple((n, tuple(local(p).shape), p.dtype) for n, p in block.named_parameters())
-                kind = (sig, mode, shape)
-                kind_of[lid] = kind
-                if kind not in probes:
-                    strip_fsdp(part, block)
-                    probes[kind] = probe_block(block, rope, input_shape=shape, dtype=dtype,
-                                               autocast=rank.precision.autocast, constants=(part.rope_cache, rope))
-                    label_of[kind] = f"{mode}/{'moe' if any(is_expert(n) for n, *_ in sig) else 'dense'}"
-            if part.tok_embeddings is not None:
-                strip_fsdp(part, part.tok_embeddings)
-                tokens = torch.zeros(mb, layout.token_seq(seq), dtype=torch.long)
-                with SavedActivationCounter(list(part.tok_embeddings.parameters())) as counter:
-                    part.tok_embeddings(tokens)
-                embedding_saved += counter.total_bytes
-    return BlockReadout(probes, kind_of, label_of, embedding_saved)
-
-
-def probe_heads(rank, cfg, layout: Layout, mb: int) -> tuple:
-    """(this config's loss path, the other one or None where it is refused) on the part
-    holding the output head."""
-    seq = cfg.training.seq_len
-    dtype = rank.stream_dtype
-    part = next(p for p in rank.parts if p.output is not None)
-    kwargs = dict(input_shape=(mb, layout.residual_seq(seq), cfg.model_args.dim),
-                  labels_shape=(mb, layout.token_seq(seq)), dtype=dtype, autocast=rank.precision.autocast,
-                  loss_parallel=layout.loss_parallel)
-    with rank.fake_mode:
-        strip_fsdp(part, part.norm, part.output)
-        ours = probe_head(part, chunked=cfg.loss.chunked_ce, **kwargs)
-        other = probe_head(part, chunked=not cfg.loss.chunked_ce, **kwargs) if chunked_ce_allowed(cfg) else None
-    return ours, other
-
-
-# ---------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------
 
@@ -256,10 +141,37 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     return int(buffers * esize)
 
 
+def _skew(layout: Layout, device: str, ov: GpuOverheads) -> float | None:
+    """The EP receive factor of the busiest rank, where the estimate adds it (CUDA, EP)."""
+    return ov.ep_imbalance if device == "cuda" and layout.ep > 1 and ov.ep_imbalance > 1 else None
+
+
+def _microbatch(cfg, layout: Layout) -> int:
+    par = cfg.parallelism
+    return par.pipeline_parallel_microbatch_size if layout.pp > 1 else cfg.training.local_batch_size
+
+
+def estimate_memories(cfgs: list, world_size: int, *, device: str = "cuda", overheads: GpuOverheads | None = None,
+                      cache) -> list[MemoryEstimate]:
+    """`estimate_memory` of configs that differ only in their batch sizes, through one
+    `EstimateCache`: their assemblies are shared (one rank-0 assembly probes every batch)."""
+    ov = overheads or GpuOverheads()
+    items = []
+    for cfg in cfgs:
+        if cfg.model_args is None:
+            cfg.validate()
+        layout = resolve_layout(cfg, world_size)
+        items.append((cfg, layout, _microbatch(cfg, layout)))
+    cache.read(items, world_size, device, _skew(items[0][1], device, ov))
+    return [estimate_memory(cfg, world_size, device=device, overheads=overheads, cache=cache) for cfg in cfgs]
+
+
 def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda", gpus_per_node: int = 8,
-                    config_name: str = "", overheads: GpuOverheads | None = None) -> MemoryEstimate:
+                    config_name: str = "", overheads: GpuOverheads | None = None, cache=None) -> MemoryEstimate:
     """Per-rank memory of a training step of `cfg` (a JobConfig) on `world_size` ranks.
-    On CUDA, `overheads` (default `GpuOverheads()`) gives the device terms beyond tensors."""
+    On CUDA, `overheads` (default `GpuOverheads()`) gives the device terms beyond tensors.
+    `cache`: a `trainer.memory.estimate_cache.EstimateCache` shared between estimates (the
+    same bytes, fewer assemblies); None: every PP rank is assembled afresh."""
     from configuration.fields import ConfigError
     from trainer.model_args import model_label
 
@@ -281,22 +193,15 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     if t.global_batch_size > 0:
         grad_accum = max(1, t.global_batch_size // (t.local_batch_size * layout.dp_replicate * layout.dp_shard))
 
-    # ---- every PP rank as the trainer assembles it; probes on rank 0 ----
-    per_rank: list[RankParams] = []
-    blocks = heads = None
-    for pp_rank in range(layout.pp):
-        with assemble_rank(cfg, world, pp_rank=pp_rank, device=device) as rank:
-            per_rank.append(read_params(rank.parts))
-            if pp_rank == 0:
-                communicators = nccl_communicators()
-                precision, stage_layers, dtype = rank.precision, rank.stage_layer_ids, rank.stream_dtype
-                blocks = probe_blocks(rank, cfg, layout, mb)
-            if heads is None and any(p.output is not None for p in rank.parts):
-                heads = probe_heads(rank, cfg, layout, mb)
-    ov, skewed = overheads or GpuOverheads(), None
-    if device == "cuda" and layout.ep > 1 and ov.ep_imbalance > 1:  # rank 0 again, its EP ranks skewed
-        with assemble_rank(cfg, world, pp_rank=0, device=device) as rank:
-            skewed = probe_blocks(rank, cfg, layout, mb, ov.ep_imbalance)
+    ov = overheads or GpuOverheads()
+    skew_factor = _skew(layout, device, ov)
+    if cache is not None:
+        facts = cache.read([(cfg, layout, mb)], world, device, skew_factor)[0]
+    else:  # every PP rank as the trainer assembles it; probes on rank 0
+        facts = read_every_rank(cfg, world, layout, mb, device, skew_factor)
+    per_rank, communicators, blocks, heads, skewed = (facts.per_rank, facts.communicators, facts.blocks,
+                                                      facts.heads, facts.skewed)
+    precision, stage_layers, dtype = facts.precision, facts.stage_layers, facts.dtype
     heavy = max(per_rank, key=lambda r: r.param_bytes)
     p_bytes = heavy.param_bytes
     opt_states = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
