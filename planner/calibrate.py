@@ -72,9 +72,7 @@ def measure_block_overhead() -> float:
     torch.manual_seed(0)
     model = build_model(cfg.model_spec, cfg.model_args)
     model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    model.init_weights()  # parameters and buffers (the RoPE table), as the trainer's
     tokens = torch.randint(0, cfg.model_args.vocab_size, (1, 8))
 
     def step():
