@@ -50,8 +50,22 @@ def torchrun(nproc: int, args: list[str], timeout: int = 300, module: str = "tra
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", module, *args]
     proc = run_killing_group(cmd, cwd=REPO, env=full_env, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{rank_errors(proc.stderr)}"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def rank_errors(stderr: str) -> str:
+    """Each rank's last exception line, so a failure's first cause survives the tail cut (a
+    crashed rank's traceback is often buried under its peers' 'Connection closed by peer')."""
+    import re
+
+    last: dict[str, str] = {}
+    for line in stderr.splitlines():
+        m = re.match(r"^\[rank(\d+)\]:\s*([\w.]*(Error|Exception|Interrupt|Exit)\b.*)$", line)
+        if m:
+            last[m.group(1)] = m.group(2)[:500]
+    return "".join(f"rank {r} raised: {e}\n" for r, e in sorted(last.items(), key=lambda kv: int(kv[0])))
 
 
 def run_killing_group(cmd: list[str], *, cwd, env: dict, timeout: int) -> subprocess.CompletedProcess:

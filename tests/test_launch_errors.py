@@ -131,3 +131,28 @@ def test_workers_die_with_a_killed_agent(tmp_path):
             os.kill(worker, signal.SIGKILL)
             raise AssertionError("the worker outlived its agent")
         time.sleep(0.05)
+
+
+LATE_SIGNAL_SCRIPT = """
+import os, signal, sys, time
+from trainer.preemption import PreemptionHandler
+
+class SignalDuringTeardown:  # a module global: freed after Python's finalization reset its signal handlers
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIG{sig})
+        time.sleep(0.2)
+
+h = PreemptionHandler()
+teardown = SignalDuringTeardown()
+"""
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_a_stop_signal_during_interpreter_teardown_does_not_kill_the_rank(tmp_path, sig):
+    """SLURM's test preempts twice: the second SIGUSR1 reached a rank that had saved and written its
+    marker but was tearing down, where Python had put the default action back: exit -10, so the
+    job step ended 138 and was not requeued."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL_SCRIPT.replace("{sig}", sig)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)

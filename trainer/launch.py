@@ -96,8 +96,11 @@ def _forward(signum: int, frame) -> None:
 
 
 def _install_agent_handlers() -> None:
+    from trainer.preemption import ignore_stop_signals_at_exit
+
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _forward)
+    ignore_stop_signals_at_exit()  # a late second signal must not kill the agent as it exits
 
     # torchelastic installs its own SIGTERM handler (shut the workers down, exit non-zero) when it
     # starts the workers (`--signals-to-handle`); put ours back right after. Workers are spawned

@@ -12,10 +12,16 @@ SIGTERM blocked, so that a signal arriving before this handler exists is held in
 of killing the process; installing the handler unblocks them, and a pending one is
 delivered right then (and honoured after the first step). There, too, a worker dies with
 its agent (`die_with_the_agent`).
+
+At exit the stop signals are ignored (`ignore_stop_signals_at_exit`): Python's finalization
+puts the default action back on every signal it handled, so a second SIGUSR1 arriving while a
+preempted rank tears down (after its checkpoint and marker) killed it, and SLURM saw exit 138
+instead of a clean stop to requeue.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -43,11 +49,23 @@ def die_with_the_agent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _ignore_stop_signals() -> None:
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # finalization keeps SIG_IGN; it resets Python handlers to SIG_DFL
+
+
+def ignore_stop_signals_at_exit() -> None:
+    """Once the interpreter starts exiting, a stop signal has nothing left to stop."""
+    atexit.unregister(_ignore_stop_signals)
+    atexit.register(_ignore_stop_signals)
+
+
 class PreemptionHandler:
     def __init__(self) -> None:
         self.signal_received: int | None = None
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
+        ignore_stop_signals_at_exit()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PREEMPT_SIGNALS))
         die_with_the_agent()
 
