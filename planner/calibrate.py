@@ -62,22 +62,70 @@ def measure_memory_bandwidth() -> float:
     return _rate(lambda: torch.add(a, b, out=out), 3.0 * a.numel() * 4)
 
 
-def measure_block_overhead() -> float:
-    """Seconds of one block's forward + backward that no token count amortises: the debug
-    Llama at 8 tokens, one thread (eager dispatch of every op), per block."""
+def _debug_llama(ac_mode: str = "none", mesh=None, fsdp: bool = False):
+    """(model, cfg): the debug Llama, initialised as the trainer does, with `ac_mode`; TP on the
+    1-rank `mesh` (DTensor dispatch with no peer to wait for) and/or FSDP on it."""
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from parallelisms.apply import build_model
     from trainer.config import load_config
 
-    cfg = load_config(["--config", "llama_debug.toml"])
+    cfg = load_config(["--config", "llama_debug.toml", "--activation_checkpoint.mode", ac_mode])
     torch.manual_seed(0)
     model = build_model(cfg.model_spec, cfg.model_args)
     model.to_empty(device="cpu")
     model.init_weights()  # parameters and buffers (the RoPE table), as the trainer's
+    if mesh is not None and not fsdp:
+        cfg.model_spec.tensor_parallel_fn(model, mesh, cfg.parallelism)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, spec=cfg.model_spec)
+    if fsdp:
+        from parallelisms.fsdp import apply_fsdp
+
+        apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, backend="gloo")
+    return model, cfg
+
+
+def _block_pass_s(model, cfg, min_time: float = 1.0) -> float:
+    """Seconds per block of a forward + backward at 8 tokens: every op's dispatch, little math."""
     tokens = torch.randint(0, cfg.model_args.vocab_size, (1, 8))
 
     def step():
         model(tokens).float().mean().backward()
-    return 1.0 / _rate(step, 1.0, min_time=1.0) / len(model.layers)
+    return 1.0 / _rate(step, 1.0, min_time=min_time) / len(model.layers)
+
+
+def measure_block_overhead() -> float:
+    """Seconds of one block's forward + backward that no token count amortises: the debug
+    Llama at 8 tokens, one thread (eager dispatch of every op), per block."""
+    return _block_pass_s(*_debug_llama())
+
+
+def measure_dispatch_multipliers(block_s: float) -> dict[str, float]:
+    """What the dispatch of a block pass costs beyond plain eager, one thread, 8 tokens:
+    under each AC mode (the policy's own per-op work and the recompute's dispatch) and on
+    DTensors (TP), as multiples of `block_s`; and FSDP's hooks (gather copy-in/out, resharding,
+    reduce-scatter bookkeeping) in seconds per unit per microbatch. TP and FSDP run on a 1-rank
+    gloo mesh here, so no collective waits for a peer (collective_latency_s counts that)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {f"ac_{mode}_dispatch_x": max(1.0, _block_pass_s(*_debug_llama(mode)) / block_s)
+           for mode in ("full", "op", "budget")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        out["dtensor_dispatch_x"] = max(1.0, _block_pass_s(*_debug_llama(mesh=mesh)) / block_s)
+        model, cfg = _debug_llama(mesh=mesh, fsdp=True)
+        units = len(model.layers) + 1  # one FSDP unit per block, and the root
+        extra = (_block_pass_s(model, cfg) - block_s) * len(model.layers) / units
+        out["fsdp_unit_overhead_s"] = max(0.0, extra)
+    finally:
+        dist.destroy_process_group()
+    return out
 
 
 def _timed(fn, min_time: float) -> float:
@@ -141,6 +189,7 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
         mm, attn, grouped, membw = measure_matmul(), measure_attention(), measure_grouped(), measure_memory_bandwidth()
         torch.set_num_threads(1)  # dispatch is one thread's work (multi-rank runs give each rank one)
         block = measure_block_overhead()
+        multipliers = measure_dispatch_multipliers(block)
     finally:
         torch.set_num_threads(threads)
     gloo, latency = measure_gloo()
@@ -148,7 +197,7 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
         ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
                      hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02,
-                     block_overhead_s=block, collective_latency_s=latency)
+                     block_overhead_s=block, collective_latency_s=latency, **multipliers)
     hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,
                   hbm_gbs=membw / 1e9, nvlink_gbs=gloo / 1e9, gpus_per_node=64, internode_gbs=gloo / 1e9,
                   device="cpu", cores=cores, efficiency=eff,
@@ -159,6 +208,9 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     report = (f"calibrated {CPU_NAME} in {time.perf_counter() - t0:.1f} s on {cores} cores (fp32): matmul "
               f"{mm / 1e9:.1f} GFLOP/s, attention {attn / 1e9:.1f} GFLOP/s ({attn / mm:.0%}), grouped GEMM "
               f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s and "
-              f"{latency * 1e6:.0f} us per call, eager dispatch {block * 1e3:.2f} ms per block pass; "
+              f"{latency * 1e6:.0f} us per call, eager dispatch {block * 1e3:.2f} ms per block pass (x"
+              f"{multipliers['ac_full_dispatch_x']:.2f} full AC, x{multipliers['ac_op_dispatch_x']:.2f} op, x"
+              f"{multipliers['ac_budget_dispatch_x']:.2f} budget, x{multipliers['dtensor_dispatch_x']:.2f} on DTensors), "
+              f"FSDP hooks {multipliers['fsdp_unit_overhead_s'] * 1e3:.2f} ms per unit pass; "
               f"written to {out}")
     return hw, report

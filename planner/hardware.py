@@ -36,6 +36,13 @@ class Efficiency:
     # NCCL latency is not modelled; CPU: measured by --calibrate, where eager dispatch dominates small shapes).
     block_overhead_s: float = 0.0  # per block per microbatch, forward + backward: eager op dispatch
     collective_latency_s: float = 0.0  # per collective call (the alpha of an alpha-beta model)
+    # Multiples of block_overhead_s (names end in _x: >= 1, no upper bound): a block pass's dispatch
+    # under each AC mode (the policy's per-op work and the recompute's dispatch) and on DTensors (TP).
+    ac_full_dispatch_x: float = 1.0
+    ac_op_dispatch_x: float = 1.0
+    ac_budget_dispatch_x: float = 1.0
+    dtensor_dispatch_x: float = 1.0
+    fsdp_unit_overhead_s: float = 0.0  # per FSDP unit per microbatch, forward + backward: FSDP2's hooks
 
 
 @dataclass(frozen=True)
@@ -143,9 +150,12 @@ def hardware_from_table(table: dict, source: str, name: str | None = None) -> Ha
         if key not in _EFF_FIELDS:
             raise ConfigError(f"config error: {source}: unknown efficiency field {key!r}; fields: "
                               f"{', '.join(_EFF_FIELDS)}")
-        seconds = key.endswith("_s")
+        seconds, multiple = key.endswith("_s"), key.endswith("_x")
         eff[key] = _number(source, f"efficiency.{key}", v, positive=not seconds and key != "overlap",
-                           at_most=None if seconds else 1.0)
+                           at_most=None if seconds or multiple else 1.0)
+        if multiple and v < 1:
+            raise ConfigError(f"config error: {source}: efficiency.{key} = {v!r} is a multiple of the plain "
+                              "block's dispatch; give a number >= 1")
     base = H100_EFFICIENCY if device == "cuda" else Efficiency()
     return Hardware(name=str(table.get("name", name or Path(source).stem)), device=device, cores=cores,
                     efficiency=dataclasses.replace(base, **eff), note=str(table.get("note", "")), **values)

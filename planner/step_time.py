@@ -153,12 +153,17 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
 
     # Eager dispatch: a fixed cost per block pass that no token count amortises (CPU: measured;
     # its ranks share the cores, so it stretches when there are more ranks than cores).
+    # The AC and DTensor multiples are measured (--calibrate) and hold the recompute's dispatch
+    # and the policy's own per-op work; FSDP's hooks run once per unit per microbatch.
     oversubscribed = max(1.0, plan.world / hw.cores) if hw.device == "cpu" and hw.cores else 1.0
-    t_dispatch = eff.block_overhead_s * n_mb * L * oversubscribed
+    ac_x = {"full": eff.ac_full_dispatch_x, "op": eff.ac_op_dispatch_x, "budget": eff.ac_budget_dispatch_x}
+    dispatch_x = ac_x.get(plan.ac, 1.0) * (eff.dtensor_dispatch_x if tp > 1 else 1.0)
+    fsdp_units = (L + 1) if plan.dp_shard * cp * plan.dp_replicate > 1 else 0.0
+    t_dispatch = (eff.block_overhead_s * dispatch_x * L + eff.fsdp_unit_overhead_s * fsdp_units) * n_mb * oversubscribed
 
     rm, ra, re = recompute_shares(plan)
     t_recompute = (rm * (t_mm - head_s) / 3 + ra * t_attn / 3 + rm * t_grouped / 3
-                   + re * tok * L * fwd_ew * ew_scale / hbm + re * t_dispatch / 3)
+                   + re * tok * L * fwd_ew * ew_scale / hbm)
     compute = t_mm + t_attn + t_grouped + t_ew
 
     # ---- collectives ----

@@ -158,16 +158,24 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
     table = tomllib.loads(HW.format(gib=4.0))
     base = hardware_from_table(table, "test")
     costly = dataclasses.replace(base, efficiency=dataclasses.replace(
-        base.efficiency, block_overhead_s=0.003, collective_latency_s=0.001))
+        base.efficiency, block_overhead_s=0.003, collective_latency_s=0.001, fsdp_unit_overhead_s=0.002,
+        ac_op_dispatch_x=2.5, dtensor_dispatch_x=3.0))
     cfg = load_config(DEBUG)
     w = workload_of(cfg)
     for world, stretch in ((2, 1.0), (8, 4.0)):
         plan = Plan(world, 1, world, local_batch=2)
         plain, fixed = predict(plan, w, base, 128, compute_bytes=4), predict(plan, w, costly, 128, compute_bytes=4)
-        assert fixed.parts["eager dispatch"] == pytest.approx(0.003 * plan.n_microbatches * w.n_layers * stretch)
+        per_mb = 0.003 * w.n_layers + 0.002 * (w.n_layers + 1)  # blocks, and FSDP's hooks per unit
+        assert fixed.parts["eager dispatch"] == pytest.approx(per_mb * plan.n_microbatches * stretch)
         gather = next(c for c in fixed.collectives if c.name == "FSDP all-gather")
         plain_gather = next(c for c in plain.collectives if c.name == "FSDP all-gather")
         assert gather.calls == 2 * plan.n_microbatches * (w.n_layers + 1)  # forward and backward, blocks and root
         assert gather.seconds - plain_gather.seconds == pytest.approx(gather.calls * 0.001 * stretch)
         assert fixed.step_s > plain.step_s
-    assert KNOWN["h100-sxm"].efficiency.block_overhead_s == KNOWN["h100-sxm"].efficiency.collective_latency_s == 0
+    # TP 2 with op AC, no FSDP: the block dispatch times both multiples
+    tp_op = Plan(2, 1, 1, tp=2, local_batch=2, ac="op")
+    assert predict(tp_op, w, costly, 128, compute_bytes=4).parts["eager dispatch"] == pytest.approx(
+        0.003 * 2.5 * 3.0 * w.n_layers * tp_op.n_microbatches)
+    gpu = KNOWN["h100-sxm"].efficiency
+    assert gpu.block_overhead_s == gpu.collective_latency_s == gpu.fsdp_unit_overhead_s == 0
+    assert gpu.ac_op_dispatch_x == gpu.ac_full_dispatch_x == gpu.ac_budget_dispatch_x == gpu.dtensor_dispatch_x == 1
