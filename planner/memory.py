@@ -102,25 +102,35 @@ class MemoryModel:
 
         return load_config(self.base_argv + plan.overrides(), world_size=plan.world)
 
-    def estimate_exact(self, plan: Plan):
+    def _phases_only(self):
+        """The GPU terms without the EP-skewed probe: for an estimate read only for its step
+        phases (`scale` reads no device term of `est2`), which then skips that probe."""
+        from trainer.memory.device_overhead import GpuOverheads
+
+        return dataclasses.replace(self.overheads or GpuOverheads(), ep_imbalance=1.0)
+
+    def estimate_exact(self, plan: Plan, phases_only: bool = False):
+        """The full estimator on `plan` (every PP rank assembled afresh); `phases_only`: as
+        `reference` estimates its second point (no EP-skewed probe)."""
         from trainer.memory import estimate_memory
 
         t0 = time.perf_counter()
         cfg = self.config_for(plan)
         est = estimate_memory(cfg, plan.world, device=self.device, gpus_per_node=self.gpn,
-                              overheads=self.overheads)
+                              overheads=self._phases_only() if phases_only else self.overheads)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return est
 
     def _estimate_pair(self, ref: Plan, double: Plan) -> tuple:
         """The estimator's fast path on both references at once (one layout, one AC setting):
-        equal bytes to `estimate_exact`, with assemblies and probes shared through `shared`."""
+        equal bytes to `estimate_exact(ref)` and `estimate_exact(double, phases_only=True)`,
+        with assemblies and probes shared through `shared`."""
         from trainer.memory.estimate import estimate_memories
 
         t0 = time.perf_counter()
         est, est2 = estimate_memories([self.config_for(ref), self.config_for(double)], ref.world, device=self.device,
-                                      overheads=self.overheads, cache=self.shared)
+                                      overheads=[self.overheads, self._phases_only()], cache=self.shared)
         self.calls += 2
         self.seconds += time.perf_counter() - t0
         return est, est2
@@ -128,7 +138,8 @@ class MemoryModel:
     def reference(self, plan: Plan):
         """(reference plan, its estimate, the estimate at twice its microbatch): two points,
         because a block's backward transient and the loss peak have parts that do not grow
-        with the tokens (gradient buffers of the block, the head's weight gradient)."""
+        with the tokens (gradient buffers of the block, the head's weight gradient). The
+        second is read for its phases only, so its device terms lack the EP imbalance."""
         key = structural_key(plan)
         if key in self.cache:
             self.hits += 1
@@ -156,7 +167,8 @@ def _units(plan: Plan) -> int:
 def scale(est, ref: Plan, plan: Plan, est2=None) -> PlanMemory:
     """Reads `plan`'s memory off the estimate `est` of its reference plan `ref` (module doc);
     `est2`, the estimate at twice the reference's microbatch, splits each phase's non-activation
-    part into what grows with the tokens and what does not (without it: all of it grows).
+    part into what grows with the tokens and what does not (without it: all of it grows); only
+    its phases, FSDP buffers and activations are read (its device terms are not).
     The two references have the same in-flight count and the same sharding."""
     s = ref.dp_shard / plan.dp_shard
     tok = plan.samples_per_microbatch / ref.samples_per_microbatch
