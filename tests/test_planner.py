@@ -120,6 +120,16 @@ def test_estimates_are_cached_per_local_shape_and_scale_exactly():
     # A plan that is its own reference: the cached fast path gives the full estimator's bytes.
     ref = Plan(2, 1, 2, local_batch=1, ac="op")
     assert mm.of(ref).exact and mm.of(ref).tensors == mm.estimate_exact(ref).total
+    # The second reference point is estimated without the EP-skewed probe: `scale` must not
+    # read its device terms (their EP imbalance term is missing there).
+    import dataclasses
+
+    from planner.memory import scale
+
+    ref_plan, est, est2 = mm.reference(Plan(4, 1, 4, local_batch=8, ac="op"))
+    odd = dataclasses.replace(est2, device_terms={"EP load imbalance": 10**12}, notes=["x"])
+    assert scale(est, ref_plan, Plan(4, 1, 4, local_batch=8, ac="op"), odd) == \
+        scale(est, ref_plan, Plan(4, 1, 4, local_batch=8, ac="op"), est2)
 
 
 def test_predicted_memory_matches_a_measured_step():
