@@ -181,3 +181,35 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
         assert gather.seconds - plain_gather.seconds == pytest.approx(gather.calls * 0.001 * stretch)
         assert fixed.step_s > plain.step_s
     assert KNOWN["h100-sxm"].efficiency.block_overhead_s == KNOWN["h100-sxm"].efficiency.collective_latency_s == 0
+
+
+def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch):
+    """AC `none` and `budget` references skip the EP-skewed probe and the second point until a
+    plan's lower bound fits: the bound is never above the memory, and the completed estimate
+    reads exactly as one estimated in full at once (GPU terms on: the EP skew applies)."""
+    import planner.memory as pm
+    from planner.cli import NEUTRAL
+    from planner.layout import Plan
+
+    argv = ["--config", "deepseek_debug.toml", *NEUTRAL, "--training.seq_len", "64"]
+    plans = [Plan(8, 1, 8, ep=2, local_batch=lb, ac=ac) for ac, lbs in (("none", (1, 2, 4)), ("budget", (1, 2)))
+             for lb in lbs]
+    plans += [Plan(8, 1, 4, pp=2, microbatch=mb, local_batch=4, ep=2, ac="none") for mb in (1, 2)]
+    lazy = pm.MemoryModel(argv, "cuda", 8)
+    bounds = [pm.scale(e.est, e.plan, p, e.est2, bound=True).total for p in plans
+              for e in [lazy._entry(p)]]
+    assert not any(e.skewed or e.est2 for e in lazy.cache.values())  # nothing completed yet
+    got = [lazy.of(p) for p in plans]
+    monkeypatch.setattr(pm, "LAZY_AC", ())
+    eager = pm.MemoryModel(argv, "cuda", 8)
+    want = [eager.of(p) for p in plans]
+    for plan, low, g, w in zip(plans, bounds, got, want):
+        assert g.total == w.total and g.device_terms == w.device_terms and g.peak_phase == w.peak_phase, plan
+        assert 0 < low <= w.total, (plan, low, w.total)
+    assert any(low < w.total for low, w in zip(bounds, want))  # the skew term is there to miss
+    # fit(): a plan is rejected on its bound only when its memory does not fit either.
+    fresh = pm.MemoryModel(argv, "cuda", 8)
+    for plan, w in zip(plans, want):
+        for capacity in (w.total - 1, w.total):
+            mem, total = fresh.fit(plan, capacity)
+            assert (mem is not None) == (w.total <= capacity) and total <= w.total
