@@ -86,7 +86,8 @@ def reference_plan(plan: Plan) -> Plan:
 
 # AC modes whose references are estimated lazily: the EP-skewed probe and the second point
 # only once a plan's lower bound fits. `budget` gives every probe a fresh assembly anyway (so
-# laziness costs nothing); `none` rarely fits a large model, whose plans the bound rejects.
+# laziness costs nothing); `none` only where the EP skew applies (a MoE model, whose `none`
+# plans the bound rejects): elsewhere most `none` plans fit and would cost a second assembly.
 LAZY_AC = ("budget", "none")
 
 
@@ -169,9 +170,10 @@ class MemoryModel:
             return self.cache[key]
         ref = reference_plan(plan)
         double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
-        if plan.ac in LAZY_AC:
+        skew = self._skewed(ref)
+        if plan.ac in LAZY_AC and (skew or plan.ac == "budget"):
             est, = self._estimate([ref], [self._phases_only()])
-            entry = _Reference(ref, double, est, not self._skewed(ref), None)
+            entry = _Reference(ref, double, est, not skew, None)
         else:
             est, est2 = self._estimate([ref, double], [self.overheads, self._phases_only()])
             entry = _Reference(ref, double, est, True, est2)
