@@ -21,6 +21,12 @@ and a plan is then read off it:
   (`trainer/memory/device_overhead.py`); the allocator's margin is re-taken on the
   scaled peak.
 
+Each key has two points, the reference and its double microbatch (`MemoryModel.reference`);
+the second is read for its phases only, so it skips the EP-skewed probe. Keys whose plans
+rarely fit (`LAZY_AC`) start from the first point without that probe, which bounds each
+plan's memory from below (`scale(bound=True)`), and get the rest only when a bound fits
+(`MemoryModel.fit`): the search's verdicts and numbers are the eager ones, for less work.
+
 A plan whose dp_shard and microbatch equal the reference's is the estimator's exact
 number (`PlanMemory.exact`); `--verify` re-runs the estimator on the chosen plan itself.
 float8 and compile are counted as eager bf16 (the estimator's convention; both keep less).
