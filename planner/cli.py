@@ -174,7 +174,7 @@ def no_fit_line(search, w, hw, world, seq, tokens, opts) -> str:
     from planner.memory import MemoryModel
     from planner.search import GiB, Search, Space
 
-    best = search.stats.min_footprint
+    best = search.min_footprint()
     why = (f"the smallest footprint found is {best[0] / GiB:.2f} GiB per rank ({best[1].layout_label()}, AC "
            f"{best[1].ac_label()}: params + AdamW states {best[2].persistent / GiB:.2f} GiB, activations "
            f"{best[2].activations / GiB:.2f} GiB)") if best else \

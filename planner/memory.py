@@ -21,6 +21,12 @@ and a plan is then read off it:
   (`trainer/memory/device_overhead.py`); the allocator's margin is re-taken on the
   scaled peak.
 
+Each key has two points, the reference and its double microbatch (`MemoryModel.reference`);
+the second is read for its phases only, so it skips the EP-skewed probe. Keys whose plans
+rarely fit (`LAZY_AC`) start from the first point without that probe, which bounds each
+plan's memory from below (`scale(bound=True)`), and get the rest only when a bound fits
+(`MemoryModel.fit`): the search's verdicts and numbers are the eager ones, for less work.
+
 A plan whose dp_shard and microbatch equal the reference's is the estimator's exact
 number (`PlanMemory.exact`); `--verify` re-runs the estimator on the chosen plan itself.
 float8 and compile are counted as eager bf16 (the estimator's convention; both keep less).
@@ -84,6 +90,24 @@ def reference_plan(plan: Plan) -> Plan:
                                grad_accum=1, float8=False, compile=False)
 
 
+# AC modes whose references are estimated lazily: the EP-skewed probe and the second point
+# only once a plan's lower bound fits. `budget` gives every probe a fresh assembly anyway (so
+# laziness costs nothing); `none` only where the EP skew applies (a MoE model, whose `none`
+# plans the bound rejects): elsewhere most `none` plans fit and would cost a second assembly.
+LAZY_AC = ("budget", "none")
+
+
+@dataclass
+class _Reference:
+    """What a structural key's plans are read off (`MemoryModel.of`)."""
+
+    plan: Plan  # the reference plan
+    double: Plan  # the reference at twice its microbatch
+    est: object  # its MemoryEstimate; without the EP-skewed probe until `skewed`
+    skewed: bool  # `est` is the estimator's own (the skewed probe ran, or none applies)
+    est2: object | None  # the estimate of `double` (phases only), None until needed
+
+
 class MemoryModel:
     """Plans -> `PlanMemory`, with one estimator run per structural key."""
 
@@ -102,48 +126,115 @@ class MemoryModel:
 
         return load_config(self.base_argv + plan.overrides(), world_size=plan.world)
 
-    def estimate_exact(self, plan: Plan):
+    def _phases_only(self):
+        """The GPU terms without the EP-skewed probe: for an estimate read only for its step
+        phases (`scale` reads no device term of `est2`), which then skips that probe."""
+        from trainer.memory.device_overhead import GpuOverheads
+
+        return dataclasses.replace(self.overheads or GpuOverheads(), ep_imbalance=1.0)
+
+    def estimate_exact(self, plan: Plan, phases_only: bool = False):
+        """The full estimator on `plan` (every PP rank assembled afresh); `phases_only`: as
+        `reference` estimates its second point (no EP-skewed probe)."""
         from trainer.memory import estimate_memory
 
         t0 = time.perf_counter()
         cfg = self.config_for(plan)
         est = estimate_memory(cfg, plan.world, device=self.device, gpus_per_node=self.gpn,
-                              overheads=self.overheads)
+                              overheads=self._phases_only() if phases_only else self.overheads)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return est
 
-    def _estimate_pair(self, ref: Plan, double: Plan) -> tuple:
-        """The estimator's fast path on both references at once (one layout, one AC setting):
-        equal bytes to `estimate_exact`, with assemblies and probes shared through `shared`."""
+    def _skewed(self, plan: Plan) -> bool:
+        """Whether `plan`'s estimate probes the EP-skewed rows (the estimator's own rule)."""
+        from trainer.memory.assemble import resolve_layout
+        from trainer.memory.device_overhead import GpuOverheads
+        from trainer.memory.estimate import _skew
+
+        layout = resolve_layout(self.config_for(plan), plan.world)
+        return _skew(layout, self.device, self.overheads or GpuOverheads()) is not None
+
+    def _estimate(self, plans: list, overheads: list) -> list:
+        """The estimator's fast path on plans of one layout and AC setting at once: equal bytes
+        to `estimate_exact`, with assemblies and probes shared through `shared`."""
         from trainer.memory.estimate import estimate_memories
 
         t0 = time.perf_counter()
-        est, est2 = estimate_memories([self.config_for(ref), self.config_for(double)], ref.world, device=self.device,
-                                      overheads=self.overheads, cache=self.shared)
-        self.calls += 2
+        out = estimate_memories([self.config_for(p) for p in plans], plans[0].world, device=self.device,
+                                overheads=overheads, cache=self.shared)
+        self.calls += len(plans)
         self.seconds += time.perf_counter() - t0
-        return est, est2
+        return out
+
+    def _entry(self, plan: Plan) -> _Reference:
+        """The cache entry of `plan`'s structural key; a new one is estimated at once in full
+        (both points, one assembly), except under the AC modes of `LAZY_AC`."""
+        key = structural_key(plan)
+        if key in self.cache:
+            self.hits += 1
+            return self.cache[key]
+        ref = reference_plan(plan)
+        double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
+        skew = self._skewed(ref)
+        if plan.ac in LAZY_AC and (skew or plan.ac == "budget"):
+            est, = self._estimate([ref], [self._phases_only()])
+            entry = _Reference(ref, double, est, not skew, None)
+        else:
+            est, est2 = self._estimate([ref, double], [self.overheads, self._phases_only()])
+            entry = _Reference(ref, double, est, True, est2)
+        self.cache[key] = entry
+        return entry
+
+    def _complete(self, entry: _Reference, second: bool) -> None:
+        """Estimates what `entry` lacks: the EP-skewed probe, and the second point if `second`."""
+        plans, overheads = [], []
+        if not entry.skewed:
+            plans.append(entry.plan)
+            overheads.append(self.overheads)
+        if second and entry.est2 is None:
+            plans.append(entry.double)
+            overheads.append(self._phases_only())
+        if not plans:
+            return
+        out = self._estimate(plans, overheads)
+        if not entry.skewed:
+            entry.est, entry.skewed = out.pop(0), True
+        if out:
+            entry.est2 = out[0]
 
     def reference(self, plan: Plan):
         """(reference plan, its estimate, the estimate at twice its microbatch): two points,
         because a block's backward transient and the loss peak have parts that do not grow
-        with the tokens (gradient buffers of the block, the head's weight gradient)."""
-        key = structural_key(plan)
-        if key in self.cache:
-            self.hits += 1
-        else:
-            ref = reference_plan(plan)
-            double = dataclasses.replace(ref, microbatch=2 * ref.microbatch, local_batch=2 * ref.local_batch)
-            self.cache[key] = (ref, *self._estimate_pair(ref, double))
-        return self.cache[key]
+        with the tokens (gradient buffers of the block, the head's weight gradient). The
+        second is read for its phases only, so its device terms lack the EP imbalance."""
+        entry = self._entry(plan)
+        self._complete(entry, second=True)
+        return entry.plan, entry.est, entry.est2
 
     def cached(self, plan: Plan) -> bool:
         return structural_key(plan) in self.cache
 
     def of(self, plan: Plan) -> PlanMemory:
-        ref_plan, est, est2 = self.reference(plan)
-        return scale(est, ref_plan, plan, est2)
+        entry = self._entry(plan)
+        self._complete(entry, second=_tokens(entry.plan, plan) != 1)  # scale reads est2 only then
+        return scale(entry.est, entry.plan, plan, entry.est2)
+
+    def fit(self, plan: Plan, capacity: float) -> tuple[PlanMemory | None, float]:
+        """(`of(plan)` if it fits in `capacity` bytes, else None; its total, or a lower bound of
+        it where that already exceeds `capacity`). What an entry lacks is estimated only once
+        a plan's lower bound (`scale(bound=True)`) fits."""
+        entry = self._entry(plan)
+        low = scale(entry.est, entry.plan, plan, entry.est2, bound=True).total
+        if low > capacity:
+            return None, low
+        mem = self.of(plan)
+        self.hits -= 1  # one lookup
+        return (mem if mem.total <= capacity else None), mem.total
+
+
+def _tokens(ref: Plan, plan: Plan) -> float:
+    return plan.samples_per_microbatch / ref.samples_per_microbatch
 
 
 def _units(plan: Plan) -> int:
@@ -153,13 +244,19 @@ def _units(plan: Plan) -> int:
     return _in_flight_units(plan.schedule, plan.pp, plan.stages_per_rank, n_mb)
 
 
-def scale(est, ref: Plan, plan: Plan, est2=None) -> PlanMemory:
+def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMemory:
     """Reads `plan`'s memory off the estimate `est` of its reference plan `ref` (module doc);
     `est2`, the estimate at twice the reference's microbatch, splits each phase's non-activation
-    part into what grows with the tokens and what does not (without it: all of it grows).
+    part into what grows with the tokens and what does not (without it: all of it grows); only
+    its phases, FSDP buffers and activations are read (its device terms are not).
+    `bound`: a lower bound of the total where parts are missing: `est` without the EP-skewed
+    probe (every device term grows with it) and, without `est2`, the least the phase can be:
+    its token-growing part is residual2 - residual with residual2 >= 0 (each phase's residual
+    is a peak above what the phase keeps), so residual + grows * (tok - 1) >= residual * (2 - tok).
     The two references have the same in-flight count and the same sharding."""
     s = ref.dp_shard / plan.dp_shard
-    tok = plan.samples_per_microbatch / ref.samples_per_microbatch
+    tok = _tokens(ref, plan)
+    assert tok >= 1, (ref, plan)  # a reference has the smallest microbatch
     act = tok * _units(plan) / _units(ref)
     accum_ref = est.grads if (ref.grad_accum > 1 or ref.pp > 1) else 0
     accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
@@ -173,6 +270,8 @@ def scale(est, ref: Plan, plan: Plan, est2=None) -> PlanMemory:
             residual2 = est2.phases[name] - est2.fsdp_buffers - accum_ref - est2.activations
             grows = residual2 - residual  # per reference microbatch of tokens
             residual_new = residual + grows * (tok - 1)
+        elif bound:
+            residual_new = residual * (2 - tok)
         else:
             residual_new = residual * tok
         phases[name] = est.fsdp_buffers + accum_new + est.activations * act + residual_new

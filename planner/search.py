@@ -63,7 +63,6 @@ class SearchStats:
     rejected_by_validators: int = 0
     rejected_by_bound: int = 0
     rejected_by_memory: int = 0
-    min_footprint: tuple | None = None  # (bytes, plan) of the smallest estimate seen
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -85,6 +84,7 @@ class Search:
         self.stats = SearchStats()
         self._layout_ok: dict = {}
         self._mem_fail: dict = {}
+        self._footprints: list = []  # per plan checked: (bytes or a lower bound, order, plan, PlanMemory or None)
         self.max_estimates = max_estimates  # stop the walk before the estimator runs more often (--dry-run)
         self.truncated = False
 
@@ -241,15 +241,26 @@ class Search:
         return plan.local_batch >= self._mem_fail.get(key, math.inf)
 
     def fits(self, plan: Plan) -> PlanMemory | None:
-        mem = self.memory.of(plan)
-        best = self.stats.min_footprint
-        if best is None or mem.total < best[0]:
-            self.stats.min_footprint = (mem.total, plan, mem)
-        if mem.total > self.capacity:
+        mem, total = self.memory.fit(plan, self.capacity)
+        self._footprints.append((total, len(self._footprints), plan, mem))
+        if mem is None:
             key = dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False)
             self._mem_fail[key] = min(self._mem_fail.get(key, math.inf), plan.local_batch)
             return None
         return mem
+
+    def min_footprint(self) -> tuple | None:
+        """(bytes, plan, PlanMemory) of the smallest footprint among the plans checked (the
+        first of equals). A plan rejected on a lower bound is estimated here only if that
+        bound does not exceed the best footprint known."""
+        best = None
+        for low, order, plan, mem in sorted(self._footprints, key=lambda f: f[:2]):
+            if best is not None and low > best[0]:
+                break
+            mem = mem or self.memory.of(plan)
+            if best is None or (mem.total, order) < best[:2]:
+                best = (mem.total, order, plan, mem)
+        return None if best is None else (best[0], best[2], best[3])
 
     def frugal_fits(self, skel: Plan) -> bool:
         """Whether the skeleton's least memory (full AC, the smallest local batch) fits: one

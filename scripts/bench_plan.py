@@ -3,7 +3,8 @@
 
   python scripts/bench_plan.py search [--max-estimates N]   # search time: Llama 3.1 8B on 8 and
                                           # DeepSeek V3 671B on 1,024 H100 (N bounds the 671B search)
-  python scripts/bench_plan.py fastpath   # 671B: the planner's cached estimates vs the full estimator
+  python scripts/bench_plan.py fastpath [--whole]   # 671B: the planner's cached estimates vs the
+                                          # full estimator (--whole: every estimate of the 1,024-GPU search)
   python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
   python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
@@ -49,10 +50,48 @@ def bench_search() -> None:
         print("\n".join(text.splitlines()[1:]))
 
 
+def bench_fastpath_whole() -> None:
+    """The whole 671B search on 1,024 H100 through the planner, then every estimate it made
+    through the full estimator (a lazy reference's first point without the EP-skewed probe,
+    as it was made): every field must be equal. About 10 minutes on a quiet machine."""
+    import contextlib
+    import io
+
+    import planner.memory as pm
+    from planner.cli import main
+
+    models = []
+    init = pm.MemoryModel.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        models.append(self)
+
+    pm.MemoryModel.__init__ = keep
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["--config", "deepseek_v3_671b.toml", "--gpus", "1024", "--gpu", "h100-sxm", "--seq-len", "4096",
+              "--global-batch-tokens", str(4096 * 1024 * 4), "--top", "5"])
+    pm.MemoryModel.__init__ = init
+    print(buf.getvalue().splitlines()[0], flush=True)
+    mm, n, differ = models[0], 0, 0
+    for key, ref in mm.cache.items():
+        points = [(ref.plan, ref.est, not ref.skewed)] + ([(ref.double, ref.est2, True)] if ref.est2 else [])
+        for plan, got, phases_only in points:
+            want = mm.estimate_exact(plan, phases_only=phases_only).to_dict()
+            diff = [k for k, v in want.items() if got.to_dict()[k] != v]
+            n, differ = n + 1, differ + bool(diff)
+            if diff:
+                print(f"differs: {plan} {diff}", flush=True)
+    print(f"{n} estimates of {len(mm.cache)} structural keys compared with the full estimator, field by field: "
+          f"{differ} differ")
+
+
 def bench_fastpath() -> None:
     """DeepSeek V3 671B reference estimates that the 1,024-GPU search visits, through the
     planner's shared EstimateCache (in this order, so later ones reuse earlier readings) and
-    through the full estimator (every PP rank assembled afresh): every field must be equal."""
+    through the full estimator (every PP rank assembled afresh): every field must be equal. The
+    second microbatch is estimated for its phases only (no EP-skewed probe), both ways."""
     import dataclasses
 
     from planner.cli import NEUTRAL
@@ -80,7 +119,7 @@ def bench_fastpath() -> None:
         fast = time.perf_counter() - t
         for point, got in ((ref, est), (double, est2)):
             t = time.perf_counter()
-            want = mm.estimate_exact(point).to_dict()
+            want = mm.estimate_exact(point, phases_only=point is double).to_dict()
             full = time.perf_counter() - t
             diff = [k for k, v in want.items() if got.to_dict()[k] != v]
             print(f"| {p.layout_label()} | {p.ac} | {point.microbatch} | {got.device_total / GiB:.2f} | "
@@ -176,7 +215,7 @@ if __name__ == "__main__":
     if what == "search":
         bench_search()
     elif what == "fastpath":
-        bench_fastpath()
+        bench_fastpath_whole() if "--whole" in sys.argv[2:] else bench_fastpath()
     elif what == "h100":
         bench_h100()
     elif what == "validate":

@@ -97,6 +97,31 @@ def test_live_bytes_tracker_follows_frees():
         assert t.sample() == 0
 
 
+def test_live_bytes_tracker_peaks_equal_a_refresh_after_every_op():
+    """The tracker drops freed storages only when an op adds one (the peak can rise only then):
+    the same peaks as dropping them after every op, through a block's forward and backward."""
+
+    class EveryOp(LiveBytesTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._refresh()
+            return out
+
+    def peaks(tracker_type):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        with tracker_type([x, *layer.parameters()]) as t:
+            out = layer(x).square().sum()
+            forward = (t.sample(), t.peak)
+            t.reset_peak()
+            out.backward()
+            return forward, (t.sample(), t.peak)
+
+    got, want = peaks(LiveBytesTracker), peaks(EveryOp)
+    assert got == want and want[1][1] > want[0][0] > 0, (got, want)
+
+
 def test_default_world_size_fits_the_degrees():
     assert default_world_size(load_config(["--config", "llama8b.toml"]).parallelism) == 8
     assert default_world_size(load_config(["--config", "llama405b.toml"]).parallelism) == 64

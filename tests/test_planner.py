@@ -120,6 +120,16 @@ def test_estimates_are_cached_per_local_shape_and_scale_exactly():
     # A plan that is its own reference: the cached fast path gives the full estimator's bytes.
     ref = Plan(2, 1, 2, local_batch=1, ac="op")
     assert mm.of(ref).exact and mm.of(ref).tensors == mm.estimate_exact(ref).total
+    # The second reference point is estimated without the EP-skewed probe: `scale` must not
+    # read its device terms (their EP imbalance term is missing there).
+    import dataclasses
+
+    from planner.memory import scale
+
+    ref_plan, est, est2 = mm.reference(Plan(4, 1, 4, local_batch=8, ac="op"))
+    odd = dataclasses.replace(est2, device_terms={"EP load imbalance": 10**12}, notes=["x"])
+    assert scale(est, ref_plan, Plan(4, 1, 4, local_batch=8, ac="op"), odd) == \
+        scale(est, ref_plan, Plan(4, 1, 4, local_batch=8, ac="op"), est2)
 
 
 def test_predicted_memory_matches_a_measured_step():
@@ -179,3 +189,35 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
     gpu = KNOWN["h100-sxm"].efficiency
     assert gpu.block_overhead_s == gpu.collective_latency_s == gpu.fsdp_unit_overhead_s == 0
     assert gpu.ac_op_dispatch_x == gpu.ac_full_dispatch_x == gpu.ac_budget_dispatch_x == gpu.dtensor_dispatch_x == 1
+
+
+def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch):
+    """AC `none` and `budget` references skip the EP-skewed probe and the second point until a
+    plan's lower bound fits: the bound is never above the memory, and the completed estimate
+    reads exactly as one estimated in full at once (GPU terms on: the EP skew applies)."""
+    import planner.memory as pm
+    from planner.cli import NEUTRAL
+    from planner.layout import Plan
+
+    argv = ["--config", "deepseek_debug.toml", *NEUTRAL, "--training.seq_len", "64"]
+    plans = [Plan(8, 1, 8, ep=2, local_batch=lb, ac=ac) for ac, lbs in (("none", (1, 2, 4)), ("budget", (1, 2)))
+             for lb in lbs]
+    plans += [Plan(8, 1, 4, pp=2, microbatch=mb, local_batch=4, ep=2, ac="none") for mb in (1, 2)]
+    lazy = pm.MemoryModel(argv, "cuda", 8)
+    bounds = [pm.scale(e.est, e.plan, p, e.est2, bound=True).total for p in plans
+              for e in [lazy._entry(p)]]
+    assert not any(e.skewed or e.est2 for e in lazy.cache.values())  # nothing completed yet
+    got = [lazy.of(p) for p in plans]
+    monkeypatch.setattr(pm, "LAZY_AC", ())
+    eager = pm.MemoryModel(argv, "cuda", 8)
+    want = [eager.of(p) for p in plans]
+    for plan, low, g, w in zip(plans, bounds, got, want):
+        assert g.total == w.total and g.device_terms == w.device_terms and g.peak_phase == w.peak_phase, plan
+        assert 0 < low <= w.total, (plan, low, w.total)
+    assert any(low < w.total for low, w in zip(bounds, want))  # the skew term is there to miss
+    # fit(): a plan is rejected on its bound only when its memory does not fit either.
+    fresh = pm.MemoryModel(argv, "cuda", 8)
+    for plan, w in zip(plans, want):
+        for capacity in (w.total - 1, w.total):
+            mem, total = fresh.fit(plan, capacity)
+            assert (mem is not None) == (w.total <= capacity) and total <= w.total

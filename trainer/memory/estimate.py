@@ -151,19 +151,20 @@ def _microbatch(cfg, layout: Layout) -> int:
     return par.pipeline_parallel_microbatch_size if layout.pp > 1 else cfg.training.local_batch_size
 
 
-def estimate_memories(cfgs: list, world_size: int, *, device: str = "cuda", overheads: GpuOverheads | None = None,
+def estimate_memories(cfgs: list, world_size: int, *, device: str = "cuda", overheads=None,
                       cache) -> list[MemoryEstimate]:
     """`estimate_memory` of configs that differ only in their batch sizes, through one
-    `EstimateCache`: their assemblies are shared (one rank-0 assembly probes every batch)."""
-    ov = overheads or GpuOverheads()
+    `EstimateCache`: their assemblies are shared (one rank-0 assembly probes every batch).
+    `overheads`: one `GpuOverheads` (or None) for all, or a list with one per config."""
+    each = overheads if isinstance(overheads, list) else [overheads] * len(cfgs)
     items = []
-    for cfg in cfgs:
+    for cfg, ov in zip(cfgs, each):
         if cfg.model_args is None:
             cfg.validate()
         layout = resolve_layout(cfg, world_size)
-        items.append((cfg, layout, _microbatch(cfg, layout)))
-    cache.read(items, world_size, device, _skew(items[0][1], device, ov))
-    return [estimate_memory(cfg, world_size, device=device, overheads=overheads, cache=cache) for cfg in cfgs]
+        items.append((cfg, layout, _microbatch(cfg, layout), _skew(layout, device, ov or GpuOverheads())))
+    cache.read(items, world_size, device)
+    return [estimate_memory(cfg, world_size, device=device, overheads=ov, cache=cache) for cfg, ov in zip(cfgs, each)]
 
 
 def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda", gpus_per_node: int = 8,
@@ -196,7 +197,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     ov = overheads or GpuOverheads()
     skew_factor = _skew(layout, device, ov)
     if cache is not None:
-        facts = cache.read([(cfg, layout, mb)], world, device, skew_factor)[0]
+        facts = cache.read([(cfg, layout, mb, skew_factor)], world, device)[0]
     else:  # every PP rank as the trainer assembles it; probes on rank 0
         facts = read_every_rank(cfg, world, layout, mb, device, skew_factor)
     per_rank, communicators, blocks, heads, skewed = (facts.per_rank, facts.communicators, facts.blocks,

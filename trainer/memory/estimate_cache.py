@@ -203,18 +203,19 @@ class EstimateCache:
         return (_probe_context(cfg, layout, device, ac=False), mb)
 
     # ---- reading ----
-    def read(self, items: list, world: int, device: str, skew: float | None) -> list[RankFacts]:
-        """`RankFacts` of each (cfg, layout, microbatch) in `items`, which share the layout and
-        the AC settings (they may differ in batch sizes); assembles only what is not known."""
-        cfg0, layout0, _ = items[0]
+    def read(self, items: list, world: int, device: str) -> list[RankFacts]:
+        """`RankFacts` of each (cfg, layout, microbatch, EP receive factor or None) in `items`,
+        which share the layout and the AC settings (they may differ in batch sizes and in
+        whether the EP-skewed probe is asked); assembles only what is not known."""
+        cfg0, layout0, *_ = items[0]
         lkey, skey = layout_key(cfg0, world, device), shard_key(cfg0, layout0, device)
         ac0 = repr(cfg0.activation_checkpoint)
         if any(layout_key(c, world, device) != lkey or repr(c.activation_checkpoint) != ac0 for c, *_ in items):
             raise ValueError("EstimateCache.read: items must share the layout and the AC settings")
         split = self._split(cfg0, layout0)
         gkey = (skey, len(split.rank_stages[0]))
-        factors = (1.0,) + ((skew,) if skew is not None else ())
-        jobs = [(cfg, layout, mb, f) for cfg, layout, mb in items for f in factors]
+        jobs = [(cfg, layout, mb, f) for cfg, layout, mb, skew in items
+                for f in (1.0,) + ((skew,) if skew is not None else ())]
 
         def block_missing(job):
             cfg, layout, mb, f = job
@@ -224,7 +225,7 @@ class EstimateCache:
 
         def heads_missing(r: int) -> bool:
             return r == split.head_rank and any(self._head_key(c, l, mb, device) not in self._heads
-                                                for c, l, mb in items)
+                                                for c, l, mb, _ in items)
 
         def unread(r: int) -> bool:
             return any(self._stage_reading(lkey, skey, split, s) is None for s in split.rank_stages[r])
@@ -261,7 +262,7 @@ class EstimateCache:
                         self._probe_heads(rank, items, device)
         if lkey not in self._layouts:
             self._layouts[lkey] = mesh_groups + self._extra_groups[gkey]
-        return [self._facts(split, lkey, skey, cfg, layout, mb, device, skew) for cfg, layout, mb in items]
+        return [self._facts(split, lkey, skey, cfg, layout, mb, device, skew) for cfg, layout, mb, skew in items]
 
     def _assemble(self, cfg, world: int, pp_rank: int, device: str, fake: bool):
         """Assembles a rank; on fake tensors only where something is probed on it."""
@@ -315,7 +316,7 @@ class EstimateCache:
         return merge_params(readings)
 
     def _probe_heads(self, rank, items: list, device: str) -> None:
-        for cfg, layout, mb in items:
+        for cfg, layout, mb, _ in items:
             key = self._head_key(cfg, layout, mb, device)
             if key not in self._heads:
                 self._heads[key] = probe_heads(rank, cfg, layout, mb)

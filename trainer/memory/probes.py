@@ -51,11 +51,17 @@ class LiveBytesTracker(TorchDispatchMode):
     seen; on a DTensor the tracker sees the local ops DTensor runs.
     """
 
-    def __init__(self, existing=()):
+    def __init__(self, existing=(), fp32_grouped_mm: bool = False):
         super().__init__()
+        # fp32 grouped GEMMs get outputs on fake tensors (`_run_fp32_grouped_mm`): done here,
+        # not by a mode of its own, because every extra mode costs Python on every op.
+        self._run = _run_fp32_grouped_mm if fp32_grouped_mm else (lambda func, args, kwargs: func(*args, **kwargs))
         from torch.multiprocessing.reductions import StorageWeakRef
         self._ref = StorageWeakRef
+        # Storage weak ref -> bytes. A weak ref keeps its StorageImpl's address from being
+        # reused, so `cdata` identifies a storage while it is held here.
         self._live: dict = {}
+        self._expired = torch.UntypedStorage._expired  # one C call per check (this is the hot loop)
         # Storages of `existing` (inputs, parameters) are never counted, also when an op
         # first shows them through a view (a checkpoint's detach of its saved input).
         self._existing = {self._ref(p.untyped_storage()) for t in existing for p in plain_tensors(t)}
@@ -86,17 +92,22 @@ class LiveBytesTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _refresh(self) -> None:
-        # `current` is the sum of `_live`, kept as storages come and go (this runs after every op).
-        for key in [k for k in self._live if k.expired()]:
+        # `current` is the sum of `_live`, kept as storages come and go. Only an op that adds a
+        # storage can raise the peak, so frees are collected then (and in `sample`), not after
+        # every op: the peak and `current` at each of those points are the same either way.
+        expired = self._expired
+        gone = [key for key in self._live if expired(key.cdata)]
+        for key in gone:
             self.current -= self._live.pop(key)
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _has_wrapper_subclass(types):
             return NotImplemented
-        out = func(*args, **(kwargs or {}))
+        out = self._run(func, args, kwargs or {})
         if self._paused:
             return out
+        added = False
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 try:
@@ -107,7 +118,9 @@ class LiveBytesTracker(TorchDispatchMode):
                 if key not in self._live and key not in self._existing:
                     self._live[key] = int(st.nbytes())
                     self.current += self._live[key]
-        self._refresh()
+                    added = True
+        if added:
+            self._refresh()
         return out
 
     def sample(self) -> int:
@@ -217,21 +230,16 @@ def balanced_experts(part: nn.Module, receive_factor: float = 1.0) -> None:
             m.token_dispatcher = BalancedDispatch(m.token_dispatcher.num_local, receive_factor)
 
 
-class GroupedMMInFp32(TorchDispatchMode):
-    """Gives `aten._grouped_mm` fake outputs for fp32 inputs, as the CPU kernel computes
-    them (the MoE experts run it in fp32 on CPU): torch's meta kernel, which fake tensors
-    use, takes bf16 only. The output comes from the meta kernel on bf16 stand-ins, cast
-    back. Enter it outside the trackers, so that they see only the op's output."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _has_wrapper_subclass(types):
-            return NotImplemented
-        if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
-            stand_in = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
-                        for a in args]
-            return func(*stand_in, **kwargs).to(torch.float32)
-        return func(*args, **kwargs)
+def _run_fp32_grouped_mm(func, args, kwargs):
+    """Runs `func`, giving `aten._grouped_mm` fake outputs for fp32 inputs as the CPU kernel
+    computes them (the MoE experts run it in fp32 on CPU): torch's meta kernel, which fake
+    tensors use, takes bf16 only. The output comes from the meta kernel on bf16 stand-ins,
+    cast back; called inside a mode's dispatch, so no tracker sees the stand-ins."""
+    if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+        stand_in = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                    for a in args]
+        return func(*stand_in, **kwargs).to(torch.float32)
+    return func(*args, **kwargs)
 
 
 def _autocast(dtype: torch.dtype | None):
@@ -270,7 +278,7 @@ def probe_block(block: nn.Module, rope: torch.Tensor, *, input_shape: tuple, dty
     block.zero_grad(set_to_none=True)
     x = torch.empty(input_shape, dtype=dtype, requires_grad=True)
     exclude = list(block.parameters()) + list(block.buffers()) + list(constants)
-    with GroupedMMInFp32(), LiveBytesTracker([x, rope, *exclude]) as tracker:
+    with LiveBytesTracker([x, rope, *exclude], fp32_grouped_mm=True) as tracker:
         with SavedActivationCounter(exclude) as counter, _autocast(autocast):
             out = local(block(x, rope))
         grad_out = torch.empty_like(out)
