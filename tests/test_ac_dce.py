@@ -1,0 +1,199 @@
+"""The op-level SAC recompute plan (parallelisms/ac_dce.py): what the recompute skips, and when it must not.
+
+Each test runs a block twice (the first call records the plan, the second applies it) and
+checks the gradients against the un-checkpointed block bitwise, plus what the plan is for:
+the ops the recompute runs, the saved set, and the cases where nothing may be skipped
+(random ops, in-place updates of a buffer, a call whose ops differ from the recorded one).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import _RECOMPUTE, _CachedTorchDispatchMode, checkpoint
+
+from parallelisms import ac_modes
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig, OpSAC
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def recomputed(monkeypatch):
+    """Counts the ops the recompute really runs (their cache entry says recompute)."""
+    ran: collections.Counter = collections.Counter()
+    cls = ac_modes._MODE_CLASSES[_CachedTorchDispatchMode]
+    real = cls.__torch_dispatch__
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        slot = self.slots.get(id(func))  # [op, kind, entries, next index, callable]
+        entry = self.storage.get(func, {}).get(slot[3] if slot is not None else 0)
+        if entry is _RECOMPUTE:
+            ran[func] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cls, "__torch_dispatch__", dispatch)
+    return ran
+
+
+def _grads(block, inputs, kwargs=None):
+    """(output, input grad, param grads) of one forward + backward, with `kwargs` for checkpoint (None: plain)."""
+    x = inputs[0].detach().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    out = block(x, *inputs[1:]) if kwargs is None else checkpoint(block, x, *inputs[1:], use_reentrant=False, **kwargs)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+def _assert_equal(a, b):
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+
+
+def test_llama_block_recompute_skips_rope_and_the_projections_feeding_it(recomputed):
+    from tests.test_activation_checkpoint import _block_inputs, _llama
+    model = _llama("debug_small")
+    block = model.layers["0"]
+    inputs = _block_inputs(model)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="layers.0")
+    ref = _grads(block, inputs)
+    _assert_equal(ref, _grads(block, inputs, kwargs))  # records the plan
+    first = collections.Counter(recomputed)
+    recomputed.clear()
+    _assert_equal(ref, _grads(block, inputs, kwargs))  # applies it
+    plan = policy.plans[next(iter(policy.plans))]
+    assert {str(op) for op, _ in plan.promoted} == {"aten.add.Tensor", "aten.rsqrt.default"}  # q, k after RoPE
+    # Without the plan: wk, wo, w3 and both RoPE rotations (cat) and RMSNorms (pow) run again.
+    assert first[aten.mm.default] == 3 and first[aten.cat.default] == 2 and first[aten.pow.Tensor_Scalar] == 2
+    # With it: only wo and w3 (their outputs feed what backward reads), no RoPE, no norm statistics.
+    assert recomputed[aten.mm.default] == 2
+    for op in (aten.cat.default, aten.neg.default, aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default):
+        assert recomputed[op] == 0, op
+
+
+class _SideEffects(nn.Module):
+    """Dropout (random), an in-place count into a buffer, a branch on a flag, and a dead chain."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.register_buffer("calls", torch.zeros(()))
+        self.branch = False
+
+    def forward(self, x):
+        self.calls.add_(1)  # runs again in the recompute (as without a plan): not skipped
+        h = torch.nn.functional.dropout(self.a(x).relu(), 0.5, training=True)
+        if self.branch:  # another op sequence than the recorded call
+            h = h * 2 + 1
+        return self.c(self.b(h).exp() * h)
+
+
+def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(recomputed):
+    torch.manual_seed(0)
+    block = _SideEffects()
+    x = torch.randn(4, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for branch in (False, False, True, True):
+        block.branch = branch
+        torch.manual_seed(1)
+        ref = _grads(block, (x,))
+        torch.manual_seed(1)
+        calls = block.calls.item()
+        recomputed.clear()
+        _assert_equal(ref, _grads(block, (x,), kwargs))
+        assert block.calls.item() == calls + 2  # the forward and the recompute
+        assert recomputed[aten.add_.Tensor] == 1 and recomputed[aten.bernoulli_.float] == 1  # dropout's mask
+    assert len(policy.plans) == 1  # the branch made the plan stale; it was recorded again
+
+
+def test_budget_applies_its_plan_from_the_third_call_bitwise():
+    """`budget` measures on a block's first call and records its plan on the second; the
+    third step is the first to skip, and stays bitwise equal to `none`."""
+    import copy
+
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _train
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(3)]
+    ref = _run_mode(base, "none", batches)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_fraction=0.3))
+    torch.manual_seed(1234)
+    _assert_bitwise(ref, _train(model, batches))
+    assert len(policy.plans) == len(model.layers)  # each block's plan, applied in step 3
+
+
+def _train_autocast(model, batches):
+    """Loss and grads per step, forward and backward inside one bf16 autocast region (as the
+    trainer runs one GPU without FSDP): the recompute then finds autocast's weight casts cached."""
+    from tests.test_activation_checkpoint import _clean
+    record = []
+    for inputs, target in batches:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2).float(), target.flatten())
+            loss.backward()
+        record.append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+    return record
+
+
+@pytest.mark.parametrize("count_param_casts", [False, True])
+def test_plan_under_autocast_with_backward_in_the_region(monkeypatch, caplog, count_param_casts):
+    """gpu_check's `llama_eager_op` row failed with "aten.mul.Scalar encountered during
+    backward but not found in storage": autocast casts each weight once per region, so the
+    recompute (inside the same region) dispatched fewer `_to_copy`s than the forward, and the
+    plan's kept RoPE cast (by invocation index) was handed to another cast. Parameter casts
+    now bypass the cache (the plan is applied, bitwise); were they counted again, the
+    recording call's recompute sees the other op sequence and the block gets no plan."""
+    import copy
+
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _assert_bitwise, _llama
+    if count_param_casts:
+        monkeypatch.setattr(ac_modes, "is_param_cast", lambda args: False)
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(3)]
+    ref = _train_autocast(copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="op"))
+    with caplog.at_level("WARNING", logger="ac"):
+        got = _train_autocast(model, batches)
+    _assert_bitwise(ref, got)
+    plans = list(policy.plans.values())
+    assert len(plans) == len(model.layers)
+    if count_param_casts:
+        assert all("_to_copy" in p.disabled for p in plans) and "no recompute plan" in caplog.text
+    else:
+        assert not any(p.disabled for p in plans) and all(p.promoted for p in plans)
+        assert "no recompute plan" not in caplog.text
+
+
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_plan_keeps_no_more_than_op_without_it_under_context_parallel(monkeypatch, method):
+    """Under CP the attention inputs are copies of a kept collective output (the reorder of
+    the gathered K/V; Ulysses' regroup of the received q, k, v). Keeping them too held the
+    gathered K/V twice (llama8b_128k op at cp 8: 71.8 -> 88.0 GiB on the GPU). Estimated on
+    fake tensors (2 fake ranks, the trainer's own assembly): op's bytes per block with the
+    plan are at most those without it."""
+    from trainer.config import load_config
+    from trainer.memory import estimate_memory
+
+    def per_block(plan: bool) -> int:
+        monkeypatch.setattr(OpSAC, "recompute_plan", plan)
+        cfg = load_config(["--config", "llama_debug.toml", "--activation_checkpoint.mode", "op", "--training.seq_len",
+                           "256", "--parallelism.context_parallel_degree", "2",
+                           "--parallelism.context_parallel_method", method])
+        (saved,) = estimate_memory(cfg, 2).activations_per_block.values()
+        return saved
+
+    without, with_plan = per_block(False), per_block(True)
+    assert 0 < with_plan <= without, (with_plan, without)
