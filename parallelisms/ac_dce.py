@@ -88,19 +88,43 @@ COPY_OPS = frozenset({_aten.clone, _aten.index_select, _aten.cat, _aten.stack, _
                       _aten.permute_copy, _aten.slice_copy, _aten.narrow_copy, _aten.gather})
 
 
+def _inner_tensors(t: torch.Tensor):
+    """The plain tensors holding the data of `t`: itself, or for a tensor subclass (DTensor,
+    funcol's AsyncCollectiveTensor) those its `__tensor_flatten__` names, recursively."""
+    flatten = None if type(t) is torch.Tensor else getattr(t, "__tensor_flatten__", None)
+    names = None
+    if flatten is not None:
+        try:
+            names, _ = flatten()
+        except Exception:  # noqa: BLE001 - a subclass whose flatten needs more context
+            pass
+    if names is None:
+        yield t
+        return
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):  # (DTensor also names its device mesh)
+            yield from _inner_tensors(inner)
+
+
 def _storage_keys(tree, alive: list | None = None) -> list:
-    """The storages of the tensors in `tree`, as keys (None where a tensor has none). With
-    `alive`, the storages are held there, so that no address is reused while recording."""
+    """The storages of the tensors in `tree`, as keys (None where a tensor has none). A
+    tensor subclass counts by the storages of its inner tensors: a DTensor wrapper's own
+    storage is a fresh stand-in, so keyed by it, an op on a DTensor made by `from_local` (no
+    op) would not read the plain tensor inside it, and an op whose plain output only a
+    DTensor op reads would look dead (it was given a Placeholder: wrong TP gradients).
+    With `alive`, the storages are held there, so that no address is reused while recording."""
     keys = []
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
-            try:
-                storage = leaf.untyped_storage()
-                keys.append(storage._cdata)
-                if alive is not None:
-                    alive.append(storage)
-            except Exception:  # noqa: BLE001 - tensor subclasses, storage-less tensors
-                keys.append(None)
+            for t in _inner_tensors(leaf):
+                try:
+                    storage = t.untyped_storage()
+                    keys.append(storage._cdata)
+                    if alive is not None:
+                        alive.append(storage)
+                except Exception:  # noqa: BLE001 - storage-less tensors
+                    keys.append(None)
     return keys
 
 

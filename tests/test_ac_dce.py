@@ -197,3 +197,53 @@ def test_plan_keeps_no_more_than_op_without_it_under_context_parallel(monkeypatc
 
     without, with_plan = per_block(False), per_block(True)
     assert 0 < with_plan <= without, (with_plan, without)
+
+
+def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
+    """TP (a 1-rank mesh: the same DTensor ops, collectives and `from_local` wrappers as
+    TP 2) with sequence parallel. The feed-forward's `silu(w1 x) * w3 x` is a plain tensor
+    that only a DTensor op reads (w2's rowwise matmul, through `from_local`, which
+    dispatches no op). Keyed by the DTensor wrapper's own stand-in storage, that read was
+    missed: the product got a Placeholder and w2's gradient was garbage from the second
+    step on (test_parallel_layouts' tp2_ac_op). Storages are now those inside a subclass."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.llama3.parallelize import parallelize_llama
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _clean, _llama
+    from trainer.config import load_config
+
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(2)]
+    base = _llama("debug_small")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        parallelism = load_config(["--parallelism.disable_loss_parallel", "true"]).parallelism
+        runs = {}
+        for mode in ("none", "op"):
+            model = copy.deepcopy(base)
+            parallelize_llama(model, mesh, parallelism)
+            policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
+            runs[mode] = []
+            for inputs, target in batches:  # the first call of each block records its plan, the second applies it
+                model.zero_grad(set_to_none=True)
+                recomputed.clear()
+                logits = model(inputs)  # [batch, seq, vocab], gathered (no loss parallel)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
+                loss.backward()
+                runs[mode].append((loss.detach(), {_clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}))
+    finally:
+        dist.destroy_process_group()
+    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
+        assert torch.equal(loss_ref, loss)
+        assert all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref), \
+            [n for n in grads_ref if not torch.equal(grads_ref[n], grads[n])]
+    plans = list(policy.plans.values())
+    assert len(plans) == 3 and not any(p.disabled for p in plans)
+    assert all(len(p.placeholders) >= 8 for p in plans)  # the plan skips ops (here: RoPE and what feeds it)
+    assert recomputed[aten.cat.default] == 0  # no RoPE rotation ran in the second step's recompute
