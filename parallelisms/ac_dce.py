@@ -209,6 +209,13 @@ class RecomputePlan:
     forced: list = field(default_factory=list)  # (op, index) in `keep` that the policy recomputes
     disabled: str = ""  # why this block has no plan (its recompute ran other ops than its forward)
     fast: dict = field(default_factory=dict)  # id(op) -> policy (see OpSACPolicy.fast)
+    replay: object = None  # ac_replay.Replay: later forwards run without a dispatch mode
+    replay_tried: bool = False  # a call that applied the plan has tried to build `replay`
+
+    def drop_replay(self) -> None:
+        """A replayed forward packed other tensors than the call it was built from: back to
+        the dispatch-mode path (whose op counts decide whether the plan still holds)."""
+        self.replay = None
 
     def describe(self) -> str:
         if self.disabled:

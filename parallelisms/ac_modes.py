@@ -57,6 +57,19 @@ def make_sac_modes(policy) -> tuple:
     return fwd, rec
 
 
+def make_replay_mode():
+    """The recompute mode alone, for a forward that ran without one (`ac_replay`): its
+    storage is set when that forward ends."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+    mode = _CachedTorchDispatchMode(None, {}, False)
+    cls = _MODE_CLASSES.get(type(mode))
+    if cls is None:  # pragma: no cover - no replay without our modes (ac_sac checks)
+        raise RuntimeError("this torch has no SAC dispatch modes to replay with")
+    mode.__class__ = cls
+    mode.slots = {}
+    return mode
+
+
 class Placeholder:
     """A SAC cache entry standing for an op output that backward never reads: the
     recompute gets an uninitialised tensor with the same metadata (shape, stride, dtype,
@@ -200,8 +213,11 @@ def _mode_classes() -> dict:
     class _Cached(_CachedTorchDispatchMode):
         check = None  # (func) -> bool: go on checking (the recording call of a recompute plan)
         creates = False
+        run_all = False  # run every op (a replayed forward that ran other ops: `ac_replay`)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.run_all:
+                return func(*args, **(kwargs or {}))
             if tracing(func, args, kwargs):
                 return super().__torch_dispatch__(func, types, args, kwargs)
             slot = self.slots.get(id(func))

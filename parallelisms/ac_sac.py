@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_sac_modes
+from parallelisms.ac_replay import build_replay
 from parallelisms.ac_ops import MATMUL_OPS, op_key
 from parallelisms.ac_trace import trace, trace_line
 
@@ -228,6 +229,12 @@ class OpSACPolicy:
         self.fast = None
         if self.recorder is None and not trace and self._observe is None:
             self.fast = self.plan.fast if self.plan is not None else fast
+        # The first call that applies the plan notes what autograd packs, to build the plan's
+        # replay (ac_replay): the calls after it run their forward without a dispatch mode.
+        self.packs: list | None = None
+        if self.keep is not None and not self.plan.replay_tried and not trace and getattr(rules, "replay_forward", False):
+            self.packs = []
+            PACK_LISTENERS.append(self.packs.append)
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -311,8 +318,15 @@ class OpSACPolicy:
             PACK_LISTENERS.remove(rec.on_pack)
         return rec
 
-    def _apply_plan(self, storage, counts) -> None:
-        """Records this call's plan, or applies the block's (see `ac_dce`)."""
+    def _stop_noting_packs(self) -> list | None:
+        packs, self.packs = self.packs, None
+        if packs is not None:
+            PACK_LISTENERS.remove(packs.append)
+        return packs
+
+    def _apply_plan(self, storage, counts) -> bool:
+        """Records this call's plan, or applies the block's (see `ac_dce`); returns whether
+        it applied one."""
         from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
         rec = self._stop_recording()
         if rec is not None:
@@ -325,16 +339,16 @@ class OpSACPolicy:
                 if self.trace:
                     prefix = self.info.get("prefix", "")
                     trace_line(f"plan {self.plan_key}", f"PLAN {prefix}: {plan.describe()}")
-            return
+            return False
         plan = self.plan
         if plan is None or plan.disabled:
-            return
+            return False
         if counts is None or dict(counts) != plan.counts:  # another op sequence: recompute as without a plan
             for func, index in plan.forced:
                 if index in storage.get(func, {}):
                     storage[func][index] = _RECOMPUTE
             self.rules.plans.pop(self.plan_key, None)  # and record it again
-            return
+            return False
         for func, index in plan.placeholders:
             entry = storage.get(func, {}).get(index)
             if type(entry) is _VersionWrapper and isinstance(entry.val, torch.Tensor):
@@ -342,6 +356,7 @@ class OpSACPolicy:
         for func, index in plan.inplace:
             if index in storage.get(func, {}):
                 storage[func][index] = INPLACE_SKIP
+        return True
 
     def finish(self, storage, counts=None) -> None:
         """Called when the checkpointed forward ends, with torch's SAC storage (and the
@@ -358,18 +373,24 @@ class OpSACPolicy:
         """
         if self.compiled:
             self._stop_recording()
+            self._stop_noting_packs()
             return
         from torch.utils.checkpoint import _RECOMPUTE
         if self.last_mm is not None and self.last_mm[2]:
             func, index, _ = self.last_mm
             if index in storage.get(func, {}):
                 storage[func][index] = _RECOMPUTE
-        self._apply_plan(storage, counts)
+        applied = self._apply_plan(storage, counts)
         for func, index, placeholder in self.skipped:
             if storage.get(func, {}).get(index) is _RECOMPUTE:
                 storage[func][index] = placeholder
         if self.rules is not None:
             self.rules.end_call(self, storage)
+        packs = self._stop_noting_packs()
+        if packs is not None and applied and self.rules.plans.get(self.plan_key) is self.plan:
+            self.plan.replay_tried = True
+            if getattr(self, "calibration", None) is None:  # (budget: a measuring call is no template)
+                self.plan.replay = build_replay(storage, packs)
         if SAC_CACHE_LISTENERS:
             kept = kept_tensors(storage)
             for listener in SAC_CACHE_LISTENERS:

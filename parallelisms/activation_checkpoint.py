@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy as P
 
@@ -51,7 +52,7 @@ from parallelisms.ac_ops import (
     op_key,
 )
 from parallelisms.ac_dce import block_kind, register_pack_probe
-from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
+from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from configuration.fields import ConfigError, check_value, opt
 
@@ -236,6 +237,8 @@ class OpSAC(ACPolicy):
     cache_decisions: ClassVar[bool] = True
     # Record one call of each block and skip the ops its recompute does not need (ac_dce).
     recompute_plan: ClassVar[bool] = True
+    # Once a block's plan has been applied, run its forward without a dispatch mode (ac_replay).
+    replay_forward: ClassVar[bool] = True
 
     def __init__(self, cfg: ActivationCheckpointConfig, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -330,9 +333,15 @@ class OpSAC(ACPolicy):
             scope.install(block, prefix)
         table: dict = {}
         fast: dict = {}
+        plans, plan_key = self.plans, info.get("plan_key")
 
         def context_fn():
             # A plain closure (not a partial of objects) so that dynamo accepts it.
+            if plans is not None and not torch.compiler.is_compiling():
+                plan = plans.get(plan_key)
+                if plan is not None and plan.replay is not None and not trace_enabled():
+                    # The plan's replay (ac_replay): no dispatch mode in this forward.
+                    return plan.replay.contexts(SAC_CACHE_LISTENERS, plan.drop_replay)
             return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(), explicit_save_ops=explicit,
                                               rules=rules, info=info, table=table, fast=fast))
 

@@ -31,7 +31,7 @@ def recomputed(monkeypatch):
     def dispatch(self, func, types, args=(), kwargs=None):
         slot = self.slots.get(id(func))  # [op, kind, entries, next index, callable]
         entry = self.storage.get(func, {}).get(slot[3] if slot is not None else 0)
-        if entry is _RECOMPUTE:
+        if entry is _RECOMPUTE or self.run_all:
             ran[func] += 1
         return real(self, func, types, args, kwargs)
 
@@ -90,6 +90,68 @@ class _SideEffects(nn.Module):
         if self.branch:  # another op sequence than the recorded call
             h = h * 2 + 1
         return self.c(self.b(h).exp() * h)
+
+
+@pytest.fixture
+def forward_dispatches(monkeypatch):
+    """Counts the ops the forward's caching mode intercepts."""
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+    seen: collections.Counter = collections.Counter()
+    cls = ac_modes._MODE_CLASSES[_CachingTorchDispatchMode]
+    real = cls.__torch_dispatch__
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        seen[func] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cls, "__torch_dispatch__", dispatch)
+    return seen
+
+
+class _Gated(nn.Module):
+    """silu(a x) gates b's output; every output op SAC keeps is also packed by autograd (a's
+    by silu), so the block's plan gets a replay. `branch` inserts ops before b."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.branch = False
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.a(x))
+        if self.branch:
+            h = h * 2 + 1
+        return self.c(self.b(h) * h)
+
+
+def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_packs(recomputed,
+                                                                                       forward_dispatches):
+    """Call 1 records the plan, call 2 applies it (and builds the replay), call 3 runs its
+    forward with no dispatch mode. Call 4 takes another branch: its packs differ from the
+    replay's, so its recompute runs every op (as full AC) and the block goes back to the
+    dispatch-mode path. Every call is bitwise equal to the plain block."""
+    torch.manual_seed(0)
+    block = _Gated()
+    x = torch.randn(4, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for call, branch in enumerate((False, False, False, True, True, False), start=1):
+        block.branch = branch
+        ref = _grads(block, (x,))
+        recomputed.clear()
+        forward_dispatches.clear()
+        _assert_equal(ref, _grads(block, (x,), kwargs))
+        plan = next(iter(policy.plans.values()), None)
+        if call == 2:
+            assert plan.replay is not None and len(plan.replay.kept) == 1  # a's output, cut from silu's pack
+        if call == 3:
+            assert sum(forward_dispatches.values()) == 0
+            assert recomputed[aten.mm.default] == 1 and recomputed[aten.silu.default] == 1  # b; a's output was kept
+        if call == 4:
+            assert sum(forward_dispatches.values()) == 0 and recomputed[aten.mm.default] == 2  # a and b: every op ran
+            assert plan.replay is None
+        if call == 5:
+            assert sum(forward_dispatches.values()) > 0
 
 
 def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(recomputed):
