@@ -47,7 +47,8 @@ class Replay:
 def build_replay(storage, packs: list) -> Replay | None:
     """The replay of the forward that left `storage` (torch's SAC storage after the plan
     was applied) and packed `packs` (in order), or None when a kept entry is not cut from a
-    plain packed tensor, or was mutated after it was cached (the mode path would raise)."""
+    plain packed tensor, comes from an in-place op or a HOP, or was mutated after it was
+    cached (the mode path would raise)."""
     from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
     first_pack: dict = {}
     for j, x in enumerate(packs):
@@ -62,8 +63,9 @@ def build_replay(storage, packs: list) -> Replay | None:
                 continue
             is_tuple = type(entry) is tuple
             wrappers = entry if is_tuple else (entry,)
-            if not all(type(w) is _VersionWrapper for w in wrappers):
-                return None
+            schema = getattr(func, "_schema", None)
+            if schema is None or schema.is_mutable or not all(type(w) is _VersionWrapper for w in wrappers):
+                return None  # (an in-place op's output may have been packed before the op wrote it)
             leaves: list = []
             for slot, w in enumerate(wrappers):
                 v = w.val

@@ -154,6 +154,35 @@ def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_p
             assert sum(forward_dispatches.values()) > 0
 
 
+def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatches):
+    """Step 1 records each block's plan, step 2 applies it through the dispatch modes, step
+    3 replays it: no op reaches the caching mode, and the gradients equal `none`'s."""
+    import copy
+
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from tests.test_activation_checkpoint import _clean, _llama
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(3)]
+    runs, dispatched = {}, []
+    for mode in ("none", "op"):
+        model = copy.deepcopy(base)
+        policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
+        runs[mode] = []
+        for inputs, target in batches:
+            model.zero_grad(set_to_none=True)
+            forward_dispatches.clear()
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2), target.flatten())
+            dispatched.append(sum(forward_dispatches.values()))
+            loss.backward()
+            runs[mode].append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
+        assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
+    assert dispatched[3] > 0 and dispatched[4] > 0 and dispatched[5] == 0  # op's steps 1, 2, 3
+    assert all(p.replay is not None for p in policy.plans.values()) and len(policy.plans) == 3
+
+
 def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(recomputed):
     torch.manual_seed(0)
     block = _SideEffects()
