@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from parallelisms.ac_ops import MATMUL_OPS
 
@@ -148,6 +148,29 @@ class _Event:
     mutated_later: bool = False
 
 
+class Ref:
+    """A tensor named by its storage and view (`ac_direct`): rebuilt with `as_strided` on
+    any tensor holding that storage."""
+
+    __slots__ = ("key", "size", "stride", "offset", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.key = t.untyped_storage()._cdata
+        self.size, self.stride, self.offset, self.dtype = t.size(), t.stride(), t.storage_offset(), t.dtype
+
+
+def plain_data(x) -> bool:
+    """A tensor whose data is its own storage: a plain tensor or a plain Parameter."""
+    return type(x) is torch.Tensor or type(x) is nn.Parameter
+
+
+def _template(tree) -> tuple:
+    """(leaves, spec) of `tree` with each plain tensor replaced by its `Ref` (None: a tensor
+    subclass, which `ac_direct` does not rebuild)."""
+    leaves, spec = tree_flatten(tree)
+    return [(Ref(x) if plain_data(x) else None) if isinstance(x, torch.Tensor) else x for x in leaves], spec
+
+
 @dataclass
 class CallRecorder:
     """Records one checkpointed forward of a block (see the module docstring)."""
@@ -159,6 +182,11 @@ class CallRecorder:
     stop: int = 0  # events dispatched before the last pack (what the recompute re-runs)
     counts: dict | None = None  # the SAC mode's per-op counts when the forward ended
     alive: list = field(default_factory=list)  # every storage seen (one block's activations, this call only)
+    # For `ac_direct`: per event its arguments (`_template`) and (storage, dtype) per tensor
+    # output; per pack its `Ref` (None: not a plain tensor); storages written in place.
+    calls: list = field(default_factory=list)
+    pack_refs: list = field(default_factory=list)
+    written: set = field(default_factory=set)
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
         in_keys = _storage_keys((args, kwargs), self.alive)
@@ -178,9 +206,13 @@ class CallRecorder:
         placeholder = aten and plain and not mutable and not is_view and not random and None not in out_keys
         i = len(self.events)
         if mutable:
+            self.written.update(in_keys)
             for k in out_keys:
                 if k in self.origin:
                     self.events[self.origin[k]].mutated_later = True
+        self.calls.append((_template((args, kwargs)),
+                           [(x.untyped_storage()._cdata, x.dtype) if plain_data(x) else (None, None)
+                            for x in tree_leaves(out) if isinstance(x, torch.Tensor)]))
         for k in out_keys:
             producer[k] = i
             if not mutable and not is_view:
@@ -190,6 +222,7 @@ class CallRecorder:
                                   must_run=not (placeholder or inplace_skip or is_view), nbytes=nbytes))
 
     def on_pack(self, x: torch.Tensor) -> None:
+        self.pack_refs.append(Ref(x) if plain_data(x) else None)
         for k in _storage_keys(x):
             if k in self.producer:
                 self.packed.add(self.producer[k])
@@ -210,12 +243,15 @@ class RecomputePlan:
     disabled: str = ""  # why this block has no plan (its recompute ran other ops than its forward)
     fast: dict = field(default_factory=dict)  # id(op) -> policy (see OpSACPolicy.fast)
     replay: object = None  # ac_replay.Replay: later forwards run without a dispatch mode
+    direct: object = None  # ac_direct.Direct: ... and later recomputes too
+    source: object = None  # the CallRecorder the plan was made from (ac_direct builds from it)
     replay_tried: bool = False  # a call that applied the plan has tried to build `replay`
 
     def drop_replay(self) -> None:
         """A replayed forward packed other tensors than the call it was built from: back to
         the dispatch-mode path (whose op counts decide whether the plan still holds)."""
         self.replay = None
+        self.direct = None
 
     def describe(self) -> str:
         if self.disabled:
@@ -304,4 +340,5 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
         counts=dict(rec.counts or {}),
         promoted=[(events[i].func, events[i].index) for i in promoted],
         released=released,
-        forced=[(events[i].func, events[i].index) for i in {*promoted, *placeholders} if not events[i].saved])
+        forced=[(events[i].func, events[i].index) for i in {*promoted, *placeholders} if not events[i].saved],
+        source=rec)

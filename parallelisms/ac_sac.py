@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_sac_modes
+from parallelisms.ac_direct import build_direct
 from parallelisms.ac_replay import build_replay
 from parallelisms.ac_ops import MATMUL_OPS, op_key
 from parallelisms.ac_trace import trace, trace_line
@@ -390,7 +391,11 @@ class OpSACPolicy:
         if packs is not None and applied and self.rules.plans.get(self.plan_key) is self.plan:
             self.plan.replay_tried = True
             if getattr(self, "calibration", None) is None:  # (budget: a measuring call is no template)
-                self.plan.replay = build_replay(storage, packs)
+                plan = self.plan
+                plan.replay = build_replay(storage, packs)
+                if plan.replay is not None and getattr(self.rules, "direct_recompute", False):
+                    plan.direct = build_direct(plan.source, [(f, i) for f, i, *_ in plan.replay.kept],
+                                               plan.replay.metas)
         if SAC_CACHE_LISTENERS:
             kept = kept_tensors(storage)
             for listener in SAC_CACHE_LISTENERS:

@@ -239,6 +239,8 @@ class OpSAC(ACPolicy):
     recompute_plan: ClassVar[bool] = True
     # Once a block's plan has been applied, run its forward without a dispatch mode (ac_replay).
     replay_forward: ClassVar[bool] = True
+    # ... and its recompute run only the ops backward needs, directly (ac_direct).
+    direct_recompute: ClassVar[bool] = True
 
     def __init__(self, cfg: ActivationCheckpointConfig, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -340,8 +342,9 @@ class OpSAC(ACPolicy):
             if plans is not None and not torch.compiler.is_compiling():
                 plan = plans.get(plan_key)
                 if plan is not None and plan.replay is not None and not trace_enabled():
-                    # The plan's replay (ac_replay): no dispatch mode in this forward.
-                    return plan.replay.contexts(SAC_CACHE_LISTENERS, plan.drop_replay)
+                    # No dispatch mode in this forward (ac_replay), nor in its recompute (ac_direct).
+                    chosen = plan.direct if plan.direct is not None else plan.replay
+                    return chosen.contexts(SAC_CACHE_LISTENERS, plan.drop_replay)
             return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(), explicit_save_ops=explicit,
                                               rules=rules, info=info, table=table, fast=fast))
 

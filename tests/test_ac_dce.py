@@ -125,11 +125,14 @@ class _Gated(nn.Module):
 
 
 def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_packs(recomputed,
-                                                                                       forward_dispatches):
+                                                                                       forward_dispatches,
+                                                                                       monkeypatch):
     """Call 1 records the plan, call 2 applies it (and builds the replay), call 3 runs its
     forward with no dispatch mode. Call 4 takes another branch: its packs differ from the
     replay's, so its recompute runs every op (as full AC) and the block goes back to the
-    dispatch-mode path. Every call is bitwise equal to the plain block."""
+    dispatch-mode path. Every call is bitwise equal to the plain block. (The replay's own
+    recompute, through the dispatch mode: the direct recompute is off here.)"""
+    monkeypatch.setattr(OpSAC, "direct_recompute", False)
     torch.manual_seed(0)
     block = _Gated()
     x = torch.randn(4, 16)
@@ -154,10 +157,57 @@ def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_p
             assert sum(forward_dispatches.values()) > 0
 
 
-def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatches):
+def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_packs(recomputed,
+                                                                                        forward_dispatches):
+    """From call 3 neither pass has a dispatch mode: the recompute runs b's matmul, SiLU and
+    the gate product (what backward reads that the forward did not keep) directly. Call 4
+    takes another branch: its packs differ, so the block's forward runs again in full (no
+    mode), and the next call is back on the dispatch-mode path. Bitwise every call."""
+    from parallelisms.ac_direct import _DirectRecompute
+    torch.manual_seed(0)
+    block = _Gated()
+    x = torch.randn(4, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    entered = collections.Counter()
+    real_enter = _DirectRecompute.__enter__
+
+    def enter(self):
+        entered["direct" if self.kept is not None else "fallback"] += 1
+        return real_enter(self)
+
+    _DirectRecompute.__enter__ = enter
+    try:
+        for call, branch in enumerate((False, False, False, True, False), start=1):
+            block.branch = branch
+            ref = _grads(block, (x,))
+            recomputed.clear()
+            forward_dispatches.clear()
+            entered.clear()
+            _assert_equal(ref, _grads(block, (x,), kwargs))
+            plan = next(iter(policy.plans.values()), None)
+            if call == 2:
+                assert [str(op) for op, *_ in plan.direct.steps] == ["aten.silu.default", "aten.mm.default",
+                                                                       "aten.mul.Tensor"]
+            if call == 3:
+                assert sum(forward_dispatches.values()) == 0 and sum(recomputed.values()) == 0
+                assert entered == {"direct": 1}
+            if call == 4:
+                assert entered == {"fallback": 1} and plan.direct is None and plan.replay is None
+            if call == 5:
+                assert sum(forward_dispatches.values()) > 0 and not entered
+    finally:
+        _DirectRecompute.__enter__ = real_enter
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatches, monkeypatch, direct):
     """Step 1 records each block's plan, step 2 applies it through the dispatch modes, step
-    3 replays it: no op reaches the caching mode, and the gradients equal `none`'s."""
+    3 replays it: no op reaches the caching mode, and the gradients equal `none`'s. With
+    `direct`, step 3's recompute runs RMSNorm's two multiplies (twice), `wo`, the residual
+    add, SiLU, `w3` and the SwiGLU product, and nothing else."""
     import copy
+    monkeypatch.setattr(OpSAC, "direct_recompute", direct)
 
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
     from tests.test_activation_checkpoint import _clean, _llama
@@ -181,6 +231,10 @@ def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatche
         assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
     assert dispatched[3] > 0 and dispatched[4] > 0 and dispatched[5] == 0  # op's steps 1, 2, 3
     assert all(p.replay is not None for p in policy.plans.values()) and len(policy.plans) == 3
+    steps = [[str(op) for op, *_ in p.direct.steps] if p.direct is not None else None for p in policy.plans.values()]
+    mul, mm = "aten.mul.Tensor", "aten.mm.default"
+    assert steps == ([[mul, mul, mm, "aten.add.Tensor", mul, mul, "aten.silu.default", mm, mul]] * 3 if direct
+                     else [None] * 3)
 
 
 def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(recomputed):
