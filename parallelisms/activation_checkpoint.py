@@ -23,7 +23,8 @@ Public surface
 Op sets live in `ac_ops`, the AC_TRACE diagnostics in `ac_trace`, the glue with torch's
 SAC internals in `ac_sac`. The exact byte and FLOP counters (`SavedActivationCounter`,
 `saved_activation_bytes`, `flop_counter`, ...) live in `ac_measure`, which the training
-path does not import. Imports go one way: ac_ops, ac_trace, ac_dce <- ac_modes <- ac_sac <- this module <-
+path does not import. Imports go one way: ac_ops, ac_trace, ac_dce <- ac_modes <- ac_replay, ac_direct <-
+ac_sac <- this module <-
 ac_budget, ac_measure (tests/test_layering.py checks that none of them imports back).
 """
 
