@@ -308,6 +308,17 @@ def make_plan(rec: CallRecorder, attention_ops: frozenset, *, promote: bool = Tr
     needed = [False] * len(events)
     for i in rec.packed:
         needed[i] = True
+    # An output no recorded op reads and autograd does not pack may still be read, by code that
+    # dispatches no op: `.tolist()` of a CPU tensor (EP's split sizes) reads its memory directly.
+    # A Placeholder there handed garbage split sizes to the recompute (an intermittent overflow
+    # in test_compile_layouts' ep2 cases): such dead ends run.
+    consumed = [False] * len(events)
+    for e in events:
+        for p in e.inputs:
+            consumed[p] = True
+    for i in range(stop):
+        if not consumed[i]:
+            needed[i] = True
     placeholders, inplace, released = [], [], 0
     for i in reversed(range(stop)):
         e = events[i]

@@ -256,6 +256,39 @@ def test_random_ops_buffer_updates_and_another_op_sequence_are_never_skipped(rec
     assert len(policy.plans) == 1  # the branch made the plan stale; it was recorded again
 
 
+class _HostRead(nn.Module):
+    """Split sizes read to the host with `.tolist()` (as EP's dispatcher does): on a CPU tensor
+    that reads its memory without dispatching an op, so no recorded op reads the `cat`."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        sizes = torch.cat([(h[:, 0] * 0 + 1).sum().reshape(1), (h[:, 0] * 0 + 3).sum().reshape(1)])
+        first, rest = h.split([int(n) // 4 for n in sizes.long().tolist()])
+        return torch.cat([self.b(first.relu()), rest.exp()])
+
+
+def test_an_output_read_without_an_op_is_recomputed_not_a_placeholder(recomputed):
+    """The split sizes are read only by `.tolist()`: the recompute must give it their values (a
+    Placeholder there is uninitialised memory: garbage split sizes, an intermittent overflow in
+    EP's recompute; without the fix this test fails with sizes like 23583123659336)."""
+    torch.manual_seed(0)
+    block = _HostRead()
+    x = torch.randn(16, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for call in (1, 2):
+        ref = _grads(block, (x,))
+        recomputed.clear()
+        _assert_equal(ref, _grads(block, (x,), kwargs))
+    plan = next(iter(policy.plans.values()))
+    # `.long()`'s output is what `.tolist()` reads: kept (it is tiny), not released to a Placeholder.
+    assert (aten._to_copy.default, 0) in plan.promoted and (aten._to_copy.default, 0) not in plan.placeholders
+
+
 def test_budget_applies_its_plan_from_the_third_call_bitwise():
     """`budget` measures on a block's first call and records its plan on the second; the
     third step is the first to skip, and stays bitwise equal to `none`."""
