@@ -15,9 +15,9 @@ whose output could be kept:
 
 Where the recompute stops is read from the checkpoint's own pack events: autograd packs
 an op's inputs just before the op runs, the recompute stops at the last pack, so the ops
-dispatched before the last pack are the ones it re-runs. The packs are observed through a
-`determinism_check` function registered with torch's checkpoint (it also returns the
-default metadata, so the determinism check is unchanged).
+dispatched before the last pack are the ones it re-runs. The packs are observed through
+`ac_sac.PACK_LISTENERS` (the op-level policy's `determinism_check` hook, which also
+returns the default metadata, so the determinism check is unchanged).
 
 `solve_knapsack` then picks the most valuable set that fits the budget; later calls of
 blocks of that kind keep exactly that set (by op and per-op invocation index, as torch's
@@ -34,14 +34,12 @@ import torch
 import torch.nn as nn
 
 from parallelisms.ac_ops import D2H_OPS, MATMUL_OPS, has_flop_formula, is_device_to_host, is_runtime_op, op_flops, op_key
+from parallelisms.ac_dce import PACK_LISTENERS, block_kind
 from parallelisms.ac_sac import plain_tensors, tracing_for_compile
 from parallelisms.ac_trace import trace_enabled, trace_line
 from parallelisms.activation_checkpoint import OpSAC
 
 logger = logging.getLogger("ac")
-
-PROBE_CHECK = "titanlite_budget_probe"
-_ACTIVE: list = []  # the BlockCalibration recording now, if any
 
 
 def _storage(t: torch.Tensor):
@@ -70,25 +68,6 @@ class _Storages:
 
 def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
-
-
-def _probe_metadata(x: torch.Tensor):
-    from torch.utils.checkpoint import _default_meta_extractor
-    if _ACTIVE:
-        _ACTIVE[-1].on_pack(x)
-    return _default_meta_extractor(x)
-
-
-def register_pack_probe() -> str | None:
-    """Registers the pack-observing determinism check with torch's checkpoint; returns its
-    name, or None if this torch has no such registry (then the budget fraction falls back
-    to the bytes of every candidate, and every candidate counts as recomputed)."""
-    try:
-        from torch.utils import checkpoint as ckpt
-        ckpt._allowed_determinism_checks_to_fns[PROBE_CHECK] = _probe_metadata
-        return PROBE_CHECK
-    except Exception:  # noqa: BLE001 - private API
-        return None
 
 
 @dataclass
@@ -121,11 +100,12 @@ class BlockCalibration:
     _packed: _Storages = field(default_factory=_Storages)
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        PACK_LISTENERS.append(self.on_pack)
         return self
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        if self.on_pack in PACK_LISTENERS:
+            PACK_LISTENERS.remove(self.on_pack)
         for c in self.candidates + self.forced:
             c.value = c.flops if self.stop is None or c.position < self.stop else 0
 
@@ -244,11 +224,6 @@ def choose(calibration: BlockCalibration, budget_mib: float | None, fraction: fl
 # The policy
 # ---------------------------------------------------------------------------
 
-def block_kind(block: nn.Module) -> tuple:
-    """Blocks with the same class and parameter shapes share one measurement and choice."""
-    return type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
-
-
 class BudgetSAC(OpSAC):
     """mode = "budget": eager memory-budget SAC. Each block keeps the set of op outputs
     that avoids the most recompute FLOPs within `budget_mib` (or `budget_fraction` of
@@ -266,23 +241,25 @@ class BudgetSAC(OpSAC):
         super().__init__(cfg, **kwargs)
         self.choices: dict[tuple, BudgetChoice] = {}
         self.calibrations: dict[tuple, BlockCalibration] = {}
-        self.probe = register_pack_probe()
 
     def pinned_ops(self) -> frozenset:
         """Kept whatever the budget: the always-saved ops that have no FLOPs, and the ops
         a spec or plan lists."""
         return frozenset(op for op in self.save_ops() if not has_flop_formula(op)) | self.explicit_save_ops()
 
-    def calibrated(self, block: nn.Module) -> bool:
-        return block_kind(block) in self.choices
+    def decisions_final(self, call) -> bool:
+        return call.choice is not None
+
+    def plan_options(self) -> dict:
+        # Keep exactly the chosen set: no more outputs kept, none of them released.
+        return {"promote": False, "release_saved": False}
+
+    def calibrated(self, block: nn.Module, prefix: str = "") -> bool:
+        return block_kind(block) in self.choices and super().calibrated(block, prefix)
 
     def block_info(self, block: nn.Module | None, prefix: str) -> dict:
         kind = block_kind(block) if block is not None else (prefix,)
         return {**super().block_info(block, prefix), "kind": kind, "pinned": self.pinned_ops()}
-
-    def checkpoint_kwargs(self, block: nn.Module, *, prefix: str) -> dict:
-        kwargs = super().checkpoint_kwargs(block, prefix=prefix)
-        return {**kwargs, "determinism_check": self.probe} if self.probe else kwargs
 
     def start_call(self, call) -> None:
         call.kind, call.prefix = call.info.get("kind", ("?",)), call.info.get("prefix", "")

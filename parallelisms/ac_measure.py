@@ -141,8 +141,8 @@ def saved_activation_bytes(block: nn.Module, *inputs: Any, mode: str = "op",
     ckpt = None if kind == "none" else {**policy.checkpoint_kwargs(block, prefix=f"layers.{layer_id}"),
                                         "preserve_rng_state": False}
     try:
-        if ckpt is not None and not policy.calibrated(block):
-            with torch.enable_grad():  # a policy that measures the block first (budget)
+        if ckpt is not None and not policy.calibrated(block, f"layers.{layer_id}"):
+            with torch.enable_grad():  # a policy that records the block first (op's recompute plan, budget)
                 checkpoint(block, *inputs, use_reentrant=False, **ckpt, **kwargs)
         with torch.enable_grad(), SavedActivationCounter(exclude) as counter:
             if ckpt is None:

@@ -48,6 +48,8 @@ _ATTENTION = (
 )
 _FUNCTIONAL_NAMESPACES = ("aten", "_c10d_functional", "c10d_functional")
 _MISC_SAVE = ("topk",)
+# Every attention variant's aten packet (the recompute plan keeps the inputs of these).
+ATTENTION_OPS = frozenset(op for op in (lookup("aten", n) for n in _ATTENTION) if op is not None)
 
 
 def _functional(*names: str) -> frozenset:

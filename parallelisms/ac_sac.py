@@ -6,20 +6,21 @@ function. `OpSACPolicy` is that function for one checkpointed call (its rules co
 an `activation_checkpoint.OpSAC`). What the policies need beyond torch's public API
 lives here, behind guards:
 
-- runtime ops (FSDP2's copy-in / split copies, legacy c10d collectives, the profiler's
-  record_function ops) bypass the cache, because either pass may run them when the
-  other does not;
+- the dispatch modes themselves (runtime ops and parameter casts bypass the cache,
+  placeholders are answered without running) live in `ac_modes`;
 - when a forward ends, cache entries the recompute never reads are released, and
   whoever counts what the cache holds (`ac_measure.SavedActivationCounter`) is told
   through `SAC_CACHE_LISTENERS`, so the training path never imports the counters;
 - a cache entry can be a `Placeholder` that the recompute answers without running the op;
 - force-recompute patterns need to know which module is running, in eager mode (global
-  module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`.
+  module hooks) and under compile (the traced node's `nn_module_stack`): `ModuleScope`;
+- the recompute plan (`ac_dce`) is recorded from one call and applied to the next ones.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
 import weakref
 
@@ -27,8 +28,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallelisms.ac_ops import MATMUL_OPS, is_runtime_op, op_key
-from parallelisms.ac_trace import trace
+from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
+from parallelisms.ac_modes import Placeholder, kept_tensors, make_sac_modes
+from parallelisms.ac_direct import build_direct
+from parallelisms.ac_replay import build_replay
+from parallelisms.ac_ops import MATMUL_OPS, op_key
+from parallelisms.ac_trace import trace, trace_line
+
+logger = logging.getLogger("ac")
 
 # Objects with `add(obj, source)` that want every tensor the SAC cache keeps
 # (ac_measure.SavedActivationCounter registers itself while it is active).
@@ -36,7 +43,6 @@ SAC_CACHE_LISTENERS: list = []
 
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 _SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
 
 def plain_tensors(t: torch.Tensor):
     """The plain tensors behind a tensor subclass (DTensor, FSDP params, ...)."""
@@ -184,7 +190,8 @@ class OpSACPolicy:
     """
 
     def __init__(self, save_ops: frozenset, *, rules, scope: ModuleScope | None = None, trace: bool = False,
-                 explicit_save_ops: frozenset = frozenset(), info: dict | None = None, table: dict | None = None):
+                 explicit_save_ops: frozenset = frozenset(), info: dict | None = None, table: dict | None = None,
+                 fast: dict | None = None):
         if rules is None:
             raise TypeError("OpSACPolicy needs its rules (an activation_checkpoint.OpSAC)")
         self.info = info or {}  # what the rules noted about the block (OpSAC.block_info)
@@ -204,6 +211,31 @@ class OpSACPolicy:
         hook = type(rules).observe
         self._observe = None if getattr(hook, "_no_op", False) else rules.observe
         rules.start_call(self)
+        # The recompute plan (ac_dce): applied if the block has one, else this call records one.
+        self.plan_key = self.info.get("plan_key")
+        plans = getattr(rules, "plans", None)
+        self.plan = plans.get(self.plan_key) if plans is not None else None
+        self.keep = self.plan.keep if self.plan is not None and not self.plan.disabled else None
+        self.recorder = None
+        self.made: RecomputePlan | None = None  # the plan this call recorded
+        self.expected: list | None = None  # the ops its recompute must dispatch, in order
+        self.checked = 0
+        if plans is not None and self.plan is None and self.plan_key is not None and rules.decisions_final(self):
+            self.recorder = CallRecorder()
+            PACK_LISTENERS.append(self.recorder.on_pack)
+        # id(op) -> policy for the ops decided once per block that need no per-call work (not
+        # matmuls, no plan entry, no SKIP): the caching mode then does not call `forward_op`.
+        # One per plan (its entries depend on the plan) or per block; none while recording,
+        # tracing or observing, which see every op.
+        self.fast = None
+        if self.recorder is None and not trace and self._observe is None:
+            self.fast = self.plan.fast if self.plan is not None else fast
+        # The first call that applies the plan notes what autograd packs, to build the plan's
+        # replay (ac_replay): the calls after it run their forward without a dispatch mode.
+        self.packs: list | None = None
+        if self.keep is not None and not self.plan.replay_tried and not trace and getattr(rules, "replay_forward", False):
+            self.packs = []
+            PACK_LISTENERS.append(self.packs.append)
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -229,11 +261,23 @@ class OpSACPolicy:
         _, static, is_mm = self._entry(func, args, out)
         policy, verdict, note = static if static is not None else \
             self.rules.decide(self, func, is_recompute, args, out)
+        keep = self.keep
+        if keep is not None:
+            indices = keep.get(id(func))
+            if indices is not None and index in indices:
+                policy = _MUST_SAVE  # kept by the plan (or cached until the forward ends, then a Placeholder)
         if self.trace:
             trace(func, verdict, note)
+        elif self.fast is not None and static is not None and not is_mm and verdict != "SKIP" and \
+                (keep is None or id(func) not in keep):
+            self.fast[id(func)] = policy
         if not is_recompute:
             if self.compiled is None:
                 self.compiled = tracing_for_compile()
+                if self.compiled:
+                    self._stop_recording()
+            if self.recorder is not None:
+                self.recorder.on_op(func, index, args, kwargs, out, policy in _SAVE_POLICIES, verdict)
             if is_mm:
                 self.last_mm = (func, index, policy is _MUST_SAVE)
             if verdict == "SKIP" and isinstance(out, torch.Tensor):
@@ -250,8 +294,74 @@ class OpSACPolicy:
         counts[id(func)] = index + 1
         return self.forward_op(func, index, args, kwargs, getattr(ctx, "op_output", None), is_recompute)
 
-    def finish(self, storage) -> None:
-        """Called when the checkpointed forward ends, with torch's SAC storage.
+    def check_recompute(self, func) -> bool:
+        """Called by the recording call's recompute with each op it dispatches (see
+        `make_sac_modes`); returns whether to go on. A plan names cache entries by per-op
+        invocation index, so it holds only if the recompute dispatches the recorded ops in
+        the recorded order; if not, the block gets no plan (and a warning)."""
+        expected, i = self.expected, self.checked
+        if expected is None:
+            return False
+        if i < len(expected) and expected[i] is func:
+            self.checked = i + 1
+            return self.checked < len(expected)
+        plans = self.rules.plans
+        if self.made is not None and plans.get(self.plan_key) is self.made:
+            why = (f"its recompute dispatched {func} where its forward dispatched "
+                   f"{expected[i] if i < len(expected) else 'nothing more'} (op {i})")
+            plans[self.plan_key] = RecomputePlan({}, [], [], dict(self.made.counts), [], 0, disabled=why)
+            logger.warning("activation checkpointing: %s: no recompute plan, %s", self.info.get("prefix", ""), why)
+        return False
+
+    def _stop_recording(self) -> CallRecorder | None:
+        rec, self.recorder = self.recorder, None
+        if rec is not None and rec.on_pack in PACK_LISTENERS:
+            PACK_LISTENERS.remove(rec.on_pack)
+        return rec
+
+    def _stop_noting_packs(self) -> list | None:
+        packs, self.packs = self.packs, None
+        if packs is not None:
+            PACK_LISTENERS.remove(packs.append)
+        return packs
+
+    def _apply_plan(self, storage, counts) -> bool:
+        """Records this call's plan, or applies the block's (see `ac_dce`); returns whether
+        it applied one."""
+        from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
+        rec = self._stop_recording()
+        if rec is not None:
+            rec.alive.clear()
+            if rec.stop and counts is not None:
+                rec.counts = dict(counts)
+                plan = self.rules.plans[self.plan_key] = make_plan(rec, self.rules.plan_attention_ops(),
+                                                                   **self.rules.plan_options())
+                self.made, self.expected = plan, [e.func for e in rec.events[:rec.stop]]
+                if self.trace:
+                    prefix = self.info.get("prefix", "")
+                    trace_line(f"plan {self.plan_key}", f"PLAN {prefix}: {plan.describe()}")
+            return False
+        plan = self.plan
+        if plan is None or plan.disabled:
+            return False
+        if counts is None or dict(counts) != plan.counts:  # another op sequence: recompute as without a plan
+            for func, index in plan.forced:
+                if index in storage.get(func, {}):
+                    storage[func][index] = _RECOMPUTE
+            self.rules.plans.pop(self.plan_key, None)  # and record it again
+            return False
+        for func, index in plan.placeholders:
+            entry = storage.get(func, {}).get(index)
+            if type(entry) is _VersionWrapper and isinstance(entry.val, torch.Tensor):
+                storage[func][index] = Placeholder(entry.val)
+        for func, index in plan.inplace:
+            if index in storage.get(func, {}):
+                storage[func][index] = INPLACE_SKIP
+        return True
+
+    def finish(self, storage, counts=None) -> None:
+        """Called when the checkpointed forward ends, with torch's SAC storage (and the
+        per-op counts of the forward).
 
         The output of the block's last matmul (`w2`, `shared_experts.w2`) is released:
         the non-reentrant checkpoint stops its recompute once backward has every tensor
@@ -263,171 +373,30 @@ class OpSACPolicy:
         torch.compile the partitioner owns the saved set, and nothing is done.
         """
         if self.compiled:
+            self._stop_recording()
+            self._stop_noting_packs()
             return
         from torch.utils.checkpoint import _RECOMPUTE
         if self.last_mm is not None and self.last_mm[2]:
             func, index, _ = self.last_mm
             if index in storage.get(func, {}):
                 storage[func][index] = _RECOMPUTE
+        applied = self._apply_plan(storage, counts)
         for func, index, placeholder in self.skipped:
             if storage.get(func, {}).get(index) is _RECOMPUTE:
                 storage[func][index] = placeholder
         if self.rules is not None:
             self.rules.end_call(self, storage)
+        packs = self._stop_noting_packs()
+        if packs is not None and applied and self.rules.plans.get(self.plan_key) is self.plan:
+            self.plan.replay_tried = True
+            if getattr(self, "calibration", None) is None:  # (budget: a measuring call is no template)
+                plan = self.plan
+                plan.replay = build_replay(storage, packs)
+                if plan.replay is not None and getattr(self.rules, "direct_recompute", False):
+                    plan.direct = build_direct(plan.source, [(f, i) for f, i, *_ in plan.replay.kept],
+                                               plan.replay.metas)
         if SAC_CACHE_LISTENERS:
             kept = kept_tensors(storage)
             for listener in SAC_CACHE_LISTENERS:
                 listener.add(kept, "sac_cache")
-
-
-# ---------------------------------------------------------------------------
-# The SAC dispatch modes
-# ---------------------------------------------------------------------------
-
-def make_sac_modes(policy) -> tuple:
-    """create_selective_checkpoint_contexts(policy), with four additions in eager mode:
-
-    - runtime ops bypass the cache (on torch 2.13 the recompute replays the cache by
-      per-op index without calling the policy, so an op that only one pass runs must
-      not be counted);
-    - when the forward ends, `policy.finish(storage)` may release cache entries that
-      the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
-    - a cache entry that is a `Placeholder` is answered in the recompute with an empty
-      tensor of the recorded shape instead of running the op (its value is never read);
-    - a policy with `forward_op` (an `OpSACPolicy`) is called with torch's invocation
-      index, and each op's kind is looked up by `id` (see `_op_kind`): the same cache,
-      with less Python per op. While torch.compile traces, torch's own code runs.
-    """
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    fwd, rec = create_selective_checkpoint_contexts(policy)
-    for mode in (fwd, rec):
-        cls = _MODE_CLASSES.get(type(mode))
-        if cls is not None:
-            mode.__class__ = cls
-    fwd.forward_op = getattr(policy, "forward_op", None)
-    return fwd, rec
-
-
-class Placeholder:
-    """A SAC cache entry standing for an op output that backward never reads: the
-    recompute gets an uninitialised tensor with the same metadata (shape, stride, dtype,
-    device), so the checkpoint's metadata check passes and no FLOP is spent."""
-
-    def __init__(self, out: torch.Tensor):
-        self.size, self.stride, self.dtype, self.device = out.size(), out.stride(), out.dtype, out.device
-
-    def make(self) -> torch.Tensor:
-        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-
-
-def kept_tensors(storage) -> list[torch.Tensor]:
-    """The tensors a SAC storage (torch 2.13 layout: {key: {index: entry}}) keeps alive."""
-    from torch.utils._pytree import tree_leaves
-    out = []
-    for entries in storage.values():
-        for entry in entries.values():
-            out += [leaf.val for leaf in tree_leaves(entry) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
-    return out
-
-
-# What the modes do with an op, by id(op) (see `_op_kind`).
-_PLAIN, _BYPASS, _GENERIC = 0, 1, 2
-_OP_KINDS: dict[int, tuple] = {}
-
-
-def _op_kind(func, ignored) -> int:
-    """_BYPASS for the ops that never reach the cache (torch's `SAC_IGNORED_OPS`, runtime
-    ops), _PLAIN for the other `OpOverload`s (their storage key is the op itself), and
-    _GENERIC for anything else (HOPs, whose key torch computes from the arguments)."""
-    known = _OP_KINDS.get(id(func))
-    if known is not None and known[0] is func:
-        return known[1]
-    if func in ignored or is_runtime_op(func):
-        kind = _BYPASS
-    else:
-        kind = _PLAIN if isinstance(func, torch._ops.OpOverload) else _GENERIC
-    _OP_KINDS[id(func)] = (func, kind)
-    return kind
-
-
-def _mode_classes() -> dict:
-    try:
-        from torch.utils.checkpoint import (
-            _CONSUMED,
-            _RECOMPUTE,
-            SAC_IGNORED_OPS,
-            _CachedTorchDispatchMode,
-            _CachingTorchDispatchMode,
-            _detach_helper,
-            _is_compiling,
-            _VersionWrapper,
-        )
-    except ImportError:  # pragma: no cover - older torch: the policy's PREFER_RECOMPUTE still applies
-        return {}
-    try:
-        from torch.utils.checkpoint import _sac_storage_key
-    except ImportError:  # pragma: no cover
-        def _sac_storage_key(func, args):
-            return func
-    from torch.utils._pytree import tree_map
-
-    def _wrap(x):
-        return _VersionWrapper(_detach_helper(x))
-
-    class _Caching(_CachingTorchDispatchMode):
-        forward_op = None
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _is_compiling(func, args, kwargs):
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            kind = _op_kind(func, SAC_IGNORED_OPS)
-            if kind == _BYPASS:
-                return func(*args, **(kwargs or {}))
-            if kind == _GENERIC or self.forward_op is None:
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            # torch's caching step for an OpOverload, with our policy called directly.
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            counter = self.func_counter
-            index = counter[func]
-            counter[func] = index + 1
-            policy = self.forward_op(func, index, args, kwargs, out)
-            if policy in _SAVE_POLICIES:
-                self.storage[func][index] = _wrap(out) if isinstance(out, torch.Tensor) else tree_map(_wrap, out)
-            else:
-                self.storage[func][index] = _RECOMPUTE
-            return out
-
-        def __exit__(self, *exc):
-            finish = getattr(self.policy_fn, "finish", None)
-            if finish is not None:
-                finish(self.storage)
-            return super().__exit__(*exc)
-
-    class _Cached(_CachedTorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _is_compiling(func, args, kwargs):
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            kind = _op_kind(func, SAC_IGNORED_OPS)
-            if kind == _BYPASS:
-                return func(*args, **(kwargs or {}))
-            key = func if kind == _PLAIN else _sac_storage_key(func, args)
-            index = self.func_counter[key]
-            entries = self.storage.get(key)
-            entry = None if entries is None else entries.get(index)
-            if entry is None or entry is _CONSUMED:  # torch raises its own error
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            self.func_counter[key] = index + 1
-            if entry is _RECOMPUTE:
-                return func(*args, **(kwargs or {}))
-            if type(entry) is Placeholder:
-                return entry.make()
-            entries[index] = _CONSUMED
-            if type(entry) is _VersionWrapper:
-                return entry.get_val(self.allow_cache_entry_mutation)
-            return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
-
-    return {_CachingTorchDispatchMode: _Caching, _CachedTorchDispatchMode: _Cached}
-
-
-_MODE_CLASSES = _mode_classes()

@@ -23,7 +23,8 @@ Public surface
 Op sets live in `ac_ops`, the AC_TRACE diagnostics in `ac_trace`, the glue with torch's
 SAC internals in `ac_sac`. The exact byte and FLOP counters (`SavedActivationCounter`,
 `saved_activation_bytes`, `flop_counter`, ...) live in `ac_measure`, which the training
-path does not import. Imports go one way: ac_ops, ac_trace <- ac_sac <- this module <-
+path does not import. Imports go one way: ac_ops, ac_trace, ac_dce <- ac_modes <- ac_replay, ac_direct <-
+ac_sac <- this module <-
 ac_budget, ac_measure (tests/test_layering.py checks that none of them imports back).
 """
 
@@ -36,11 +37,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy as P
 
 from parallelisms.ac_ops import (
     ALL_GATHER_OPS,
+    ATTENTION_OPS,
     D2H_OPS,
     MATMUL_OPS,
     RUNTIME_OP_NAMESPACES,
@@ -49,7 +52,8 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_sac import ModuleScope, OpSACPolicy, make_sac_modes
+from parallelisms.ac_dce import block_kind, register_pack_probe
+from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from configuration.fields import ConfigError, check_value, opt
 
@@ -133,8 +137,9 @@ class ACPolicy:
         """Keyword arguments of `torch.utils.checkpoint.checkpoint` for a wrapped block."""
         return {"preserve_rng_state": self.cfg.preserve_rng_state}
 
-    def calibrated(self, block: nn.Module) -> bool:
-        """Whether this policy knows what to keep for `block` before running it once."""
+    def calibrated(self, block: nn.Module, prefix: str = "") -> bool:
+        """Whether this policy knows what to keep for `block` (wrapped as `prefix`) before
+        running it once."""
         return True
 
     @staticmethod
@@ -231,6 +236,34 @@ class OpSAC(ACPolicy):
     # a call remembers the decisions of all others (`cache_decisions`).
     dynamic_ops: ClassVar[frozenset] = MATMUL_OPS | frozenset(op_key(op) for op in D2H_OPS)
     cache_decisions: ClassVar[bool] = True
+    # Record one call of each block and skip the ops its recompute does not need (ac_dce).
+    recompute_plan: ClassVar[bool] = True
+    # Once a block's plan has been applied, run its forward without a dispatch mode (ac_replay).
+    replay_forward: ClassVar[bool] = True
+    # ... and its recompute run only the ops backward needs, directly (ac_direct).
+    direct_recompute: ClassVar[bool] = True
+
+    def __init__(self, cfg: ActivationCheckpointConfig, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.probe = register_pack_probe() if self.recompute_plan else None
+        # (block kind, prefix) -> ac_dce.RecomputePlan, made from the block's first call.
+        self.plans: dict | None = {} if self.probe else None
+
+    def decisions_final(self, call: OpSACPolicy) -> bool:
+        """Whether this call decides as later calls will (then it may record the plan)."""
+        return True
+
+    def plan_attention_ops(self) -> frozenset:
+        """Ops whose inputs the recompute plan keeps (when they are kept themselves)."""
+        return ATTENTION_OPS
+
+    def plan_options(self) -> dict:
+        """Keyword arguments of `ac_dce.make_plan`: keep tiny outputs and attention
+        inputs, release cached outputs nobody reads."""
+        return {"promote": True, "release_saved": True}
+
+    def calibrated(self, block: nn.Module, prefix: str = "") -> bool:
+        return self.plans is None or (block_kind(block), prefix) in self.plans
 
     def explicit_save_ops(self) -> frozenset:
         """The ops listed by the spec or the plan (a matmul listed here is saved, not alternated)."""
@@ -286,7 +319,7 @@ class OpSAC(ACPolicy):
     def block_info(self, block: nn.Module | None, prefix: str) -> dict:
         """What the rules want to know about a block, once, when it is wrapped (each
         call's `OpSACPolicy.info`)."""
-        return {"prefix": prefix}
+        return {"prefix": prefix, "plan_key": (block_kind(block), prefix) if self.plans is not None else None}
 
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
@@ -302,17 +335,26 @@ class OpSAC(ACPolicy):
         if block is not None and scope.patterns:
             scope.install(block, prefix)
         table: dict = {}
+        fast: dict = {}
+        plans, plan_key = self.plans, info.get("plan_key")
 
         def context_fn():
             # A plain closure (not a partial of objects) so that dynamo accepts it.
+            if plans is not None and not torch.compiler.is_compiling():
+                plan = plans.get(plan_key)
+                if plan is not None and plan.replay is not None and not trace_enabled():
+                    # No dispatch mode in this forward (ac_replay), nor in its recompute (ac_direct).
+                    chosen = plan.direct if plan.direct is not None else plan.replay
+                    return chosen.contexts(SAC_CACHE_LISTENERS, plan.drop_replay)
             return make_sac_modes(OpSACPolicy(save_ops, scope=scope, trace=trace_enabled(), explicit_save_ops=explicit,
-                                              rules=rules, info=info, table=table))
+                                              rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = scope  # type: ignore[attr-defined]
         return context_fn
 
     def checkpoint_kwargs(self, block: nn.Module, *, prefix: str) -> dict[str, Any]:
-        return {**super().checkpoint_kwargs(block, prefix=prefix), "context_fn": self.context_fn(block, prefix)}
+        kwargs = {**super().checkpoint_kwargs(block, prefix=prefix), "context_fn": self.context_fn(block, prefix)}
+        return {**kwargs, "determinism_check": self.probe} if self.probe else kwargs
 
 
 # Mode -> policy class ("module:name" for one imported only when that mode is used).

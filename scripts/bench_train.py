@@ -1,6 +1,7 @@
 """Trainer overhead and AC modes: s/step and tokens/s of the real training loop vs a bare PyTorch loop.
 
     python scripts/bench_train.py                          # debug model, seq 256, batch 2, fp32, 1 rank, 3 rounds
+    python scripts/bench_train.py --rounds 3 --threads 1,2 # the same at 1 and at 2 threads (one table pair each)
     python scripts/bench_train.py --rounds 5 --steps 40 -- --training.seq_len 512 --training.local_batch_size 4
 
 Both loops train the same model shape on the same kind of batches with the same optimizer and
@@ -11,6 +12,19 @@ runs step 1 of each kind, step 2 of each kind, ... (the order rotating every ste
 spike of a shared machine hits all kinds alike. The overhead is the median over all steps of
 trainer / bare of the same step index (paired neighbours), checked against 3%; per-round values
 show whether rounds agree. Memory per AC mode: scripts/bench_activation_checkpoint.py.
+
+The AC table gives, per mode, its cost over `none` (the trainer without AC: median of the paired
+step ratios, as above) against its target: the mode's recompute share plus 5 points. The share
+is measured, not assumed: after the timed steps each round runs one more step of every kind
+under `ac_measure.flop_counter()`, and the recompute is that step's FLOPs minus those of `none`
+(forward, backward and the loss are the same in every mode). "share of step" is the recompute
+over the mode's own step FLOPs (the figure docs/activation_checkpointing.md quotes); "extra over
+none" is the recompute over none's FLOPs, the time a mode would add if time followed FLOPs. The
+target is the share of step + 5 points (the stricter of the two). memory_budget needs compile,
+so it has no eager row. On a shared machine read the per-round columns: a load spike within a
+step cannot cancel out. "CPU-time cost" is the same paired ratio of the process's CPU time
+(user + system), steadier than wall time when other jobs share the cores; PASS/MISS reads the
+wall-time cost.
 """
 
 from __future__ import annotations
@@ -41,9 +55,9 @@ def trainer_step(overrides: list[str], ac_mode: str):
 
     def step() -> float:
         batches = trainer.next_microbatches()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.train_step(batches, with_metrics=False)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     return step, cfg.training.local_batch_size * cfg.training.seq_len
 
@@ -75,14 +89,14 @@ def bare_step(overrides: list[str]):
 
     def step() -> float:
         x, y = next(loader)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
         opt.step()
         loss.item()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     return step, t.local_batch_size * t.seq_len
 
@@ -93,12 +107,24 @@ def run_round(names: list[str], overrides: list[str], steps: int, warmup: int) -
                                                                         if k != "trainer" else "none")
              for k in names}
     times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     for i in range(warmup + steps):
         for k in names[i % len(names):] + names[:i % len(names)]:
-            t = loops[k][0]()
+            wall, cpu_s = loops[k][0]()
             if i >= warmup:
-                times[k].append(t)
-    return {"times": times, "tokens": {k: loop[1] for k, loop in loops.items()}}
+                times[k].append(wall)
+                cpu[k].append(cpu_s)
+    return {"times": times, "cpu": cpu, "tokens": {k: loop[1] for k, loop in loops.items()},
+            "flops": {k: step_flops(loops[k][0]) for k in names if k.startswith("trainer")}}
+
+
+def step_flops(step) -> int:
+    """FLOPs of one step (forward, recompute, backward), counted by ac_measure's FlopCounterMode."""
+    from parallelisms.ac_measure import flop_counter
+
+    with flop_counter() as counter:
+        step()
+    return counter.get_total_flops()
 
 
 def kinds() -> list[str]:
@@ -112,42 +138,80 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="processes, each interleaving every kind")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated thread counts, one set of rounds each (default: OMP_NUM_THREADS "
+                             "or every core), e.g. 1,2")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     overrides = ["--training.seq_len", "256", "--training.local_batch_size", "2"] + overrides
     names = kinds()
     if args.child:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         print("RESULT " + json.dumps(run_round(names, overrides, args.steps, args.warmup)))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
-    rounds = []
-    for _ in range(args.rounds):
-        proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--warmup",
-                               str(args.warmup), *overrides], capture_output=True, text=True, env=env, cwd=REPO)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"round failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        rounds.append(json.loads(line[7:]))
+    default = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
+    for threads in (args.threads or default).split(","):
+        env = {**os.environ, "OMP_NUM_THREADS": threads.strip()}
+        rounds = []
+        for _ in range(args.rounds):
+            proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--warmup",
+                                   str(args.warmup), *overrides], capture_output=True, text=True, env=env, cwd=REPO)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"round failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            rounds.append(json.loads(line[7:]))
+        print_tables(names, rounds, overrides, args, env["OMP_NUM_THREADS"])
+
+
+def paired(rounds: list[dict], kind: str, base: str, clock: str = "times") -> list[float]:
+    """Every step's time over `base`'s time at the same step index of the same round
+    (`clock`: "times" for wall time, "cpu" for the process's CPU time)."""
+    return [a / b for r in rounds for a, b in zip(r[clock][kind], r[clock][base])]
+
+
+def print_tables(names: list[str], rounds: list[dict], overrides: list[str], args, threads: str) -> None:
     print(f"overrides: {' '.join(overrides)}; {args.steps} steps ({args.warmup} warm-up) x {args.rounds} rounds, "
-          f"interleaved step by step; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
+          f"interleaved step by step; OMP_NUM_THREADS={threads}")
     print("| loop | median s/step | per-round medians | tokens/s | vs bare |")
     print("|---|---|---|---|---|")
-
-    def paired(kind: str) -> list[float]:
-        return [a / b for r in rounds for a, b in zip(r["times"][kind], r["times"]["bare"])]
-
     for kind in names:
         med = statistics.median(t for r in rounds for t in r["times"][kind])
         per_round = " ".join(f"{statistics.median(r['times'][kind]):.4f}" for r in rounds)
-        vs = "" if kind == "bare" else f"{100 * (statistics.median(paired(kind)) - 1):+.1f}%"
+        vs = "" if kind == "bare" else f"{100 * (statistics.median(paired(rounds, kind, 'bare')) - 1):+.1f}%"
         print(f"| {kind} | {med:.4f} | {per_round} | {rounds[0]['tokens'][kind] / med:,.0f} | {vs} |")
-    overhead = 100 * (statistics.median(paired("trainer")) - 1)
-    per_round = [100 * (statistics.median([a / b for a, b in zip(r["times"]["trainer"], r["times"]["bare"])]) - 1)
-                 for r in rounds]
-    print(f"trainer overhead vs bare: {overhead:+.1f}% (median of {len(paired('trainer'))} paired steps; per round "
-          f"{' '.join(f'{p:+.1f}%' for p in per_round)}); within 3%: {'yes' if overhead <= 3 else 'NO'}")
-
+    overhead = 100 * (statistics.median(paired(rounds, "trainer", "bare")) - 1)
+    per_round = [100 * (statistics.median(paired([r], "trainer", "bare")) - 1) for r in rounds]
+    print(f"trainer overhead vs bare: {overhead:+.1f}% (median of {len(paired(rounds, 'trainer', 'bare'))} paired "
+          f"steps; per round {' '.join(f'{p:+.1f}%' for p in per_round)}); within 3%: "
+          f"{'yes' if overhead <= 3 else 'NO'}")
+    print()
+    print(f"AC modes, OMP_NUM_THREADS={threads}: cost over none (median of paired steps) against the target, "
+          f"the recompute share of the step + 5 points")
+    print("| mode | tokens/s | cost over none | per round | CPU-time cost | recompute: share of step "
+          "| extra over none | target | |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    none_flops = rounds[0]["flops"]["trainer"]
+    for kind in ["trainer"] + [k for k in names if k.startswith("trainer_ac_")]:
+        mode = "none" if kind == "trainer" else kind.removeprefix("trainer_ac_")
+        med = statistics.median(t for r in rounds for t in r["times"][kind])
+        tokens = f"{rounds[0]['tokens'][kind] / med:,.0f}"
+        if kind == "trainer":
+            print(f"| none | {tokens} | | | | | | | |")
+            continue
+        cost = 100 * (statistics.median(paired(rounds, kind, "trainer")) - 1)
+        per_round = " ".join(f"{100 * (statistics.median(paired([r], kind, 'trainer')) - 1):+.1f}%" for r in rounds)
+        cpu_cost = 100 * (statistics.median(paired(rounds, kind, "trainer", "cpu")) - 1)
+        flops = rounds[0]["flops"][kind]
+        share, extra = 100 * (flops - none_flops) / flops, 100 * (flops - none_flops) / none_flops
+        target = share + 5
+        print(f"| {mode} | {tokens} | {cost:+.1f}% | {per_round} | {cpu_cost:+.1f}% | {share:.1f}% | {extra:.1f}% "
+              f"| {target:.1f}% "
+              f"| {'PASS' if cost <= target else 'MISS'} |")
+    print("| memory_budget | n/a: needs compile (eager table) | | | | | | | |")
+    print()
 
 if __name__ == "__main__":
     main()

@@ -86,8 +86,8 @@ def test_moe_skip_follows_the_data(one_rank_ep, monkeypatch, align):
     cached: list[dict] = []  # per MoE block call: {(op, index): what the SAC cache holds}
     real_finish = ac_sac.OpSACPolicy.finish
 
-    def finish(call, storage):
-        real_finish(call, storage)
+    def finish(call, storage, *counts):
+        real_finish(call, storage, *counts)
         if call.info.get("moe"):
             cached.append({(op, i): "placeholder" if isinstance(e, ac_sac.Placeholder) else
                            "recompute" if e is torch.utils.checkpoint._RECOMPUTE else "tensor"

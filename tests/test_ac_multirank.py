@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tests.helpers import free_port
 
 WORLD = 2
-STEPS = 2
+STEPS = 3
 CASES = [("llama3", "none"), ("llama3", "full"), ("llama3", "selective"), ("llama3", "op"),
          ("deepseek_v3", "full"), ("deepseek_v3", "op")]
 

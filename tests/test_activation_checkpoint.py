@@ -475,10 +475,12 @@ def test_saved_bytes_match_analytic_counts(flavor):
     assert saved_activation_bytes(block, x, rope, mode="none") == (8 * d + 2 * kv + 4 * f + 2 + h) * tokens * 4
     # full: only the block input.
     assert saved_activation_bytes(block, x, rope, mode="full") == d * tokens * 4
-    # op: the input + odd matmuls (wq, wv, w1; not w2, the block's last matmul, whose output
-    # the early-stopping recompute never reads) + SDPA out and logsumexp.
+    # op: the input + SDPA's inputs (q and k after RoPE, which the recompute plan keeps
+    # instead of wq's output; v, wv's) + w1 (the odd matmuls; not w2, the block's last
+    # matmul, whose output the early-stopping recompute never reads) + SDPA out and
+    # logsumexp + the 2 rsqrt columns (tiny outputs are kept).
     total, parts = saved_activation_bytes(block, x, rope, mode="op", breakdown=True)
-    assert parts == {"autograd": d * tokens * 4, "sac_cache": (2 * d + kv + f + h) * tokens * 4}
+    assert parts == {"autograd": d * tokens * 4, "sac_cache": (2 * d + 2 * kv + f + h + 2) * tokens * 4}
     assert total == sum(parts.values())
     # selective follows the layer id.
     cfg = ActivationCheckpointConfig(selective_layer_interval=2)
@@ -520,8 +522,9 @@ def test_force_recompute_saves_less():
     a = model.args
     tokens = x.shape[0] * x.shape[1]
     # wq, wk, wv, wo are forced out of the count: the FFN's w1, w3, w2 then alternate as
-    # save, recompute, save -- the same saved shapes as before minus wq and wv outputs.
-    assert plain - forced == (a.dim + a.kv_heads * a.head_dim) * tokens * 4
+    # save, recompute, save -- the same saved shapes as before minus wv's output (v). wq's
+    # is not kept in either: the recompute plan keeps q after RoPE, so nothing reads it.
+    assert plain - forced == a.kv_heads * a.head_dim * tokens * 4
     # The temporary registration for this count is removed (other tests' models may still be registered).
     assert not any(m in ac_sac._FORCED_MODULES for m in block.modules())
 
@@ -597,6 +600,11 @@ def test_trace_logs_each_op_once_with_its_verdict(monkeypatch, caplog):
             model(tokens).sum().backward()
     lines = _trace_lines(caplog)
     assert len(lines) == len(set(lines))
+    # One PLAN line per block (the recompute plan, recorded at its first call).
+    plans = [line for line in lines if line.split()[1] == "PLAN"]
+    assert [p.split()[2] for p in plans] == [f"layers.{i}:" for i in range(len(model.layers))]
+    assert "aten.add.Tensor#0, aten.add.Tensor#1, aten.rsqrt.default#0, aten.rsqrt.default#1" in plans[0]
+    lines = [line for line in lines if line not in plans]
     ops = [line.split()[2] for line in lines]
     assert len(ops) == len(set(ops)) + 1  # only aten.mm appears twice: ALTERNATE and forced RECOMPUTE
     assert "AC_TRACE ALTERNATE aten.mm.default" in lines

@@ -19,7 +19,7 @@ reading depends on is narrower than the whole config, so each is kept under that
   the schedule or the stage; the head's and the embedding's probes likewise, without AC;
 - one assembly of rank 0 serves every batch size asked for together and the EP-skewed
   probe, and a block is probed once (the reference path keeps its second call), except
-  under AC mode `budget`, whose policy calibrates each block kind on its first call: there
+  under AC modes `budget` and `op`, whose policies learn on a block's first call: there
   each probe gets a fresh assembly and its warm-up call, and a block's probe is kept only
   with all of rank 0's kinds in order (the calibration history), as the reference path runs it.
 
@@ -230,7 +230,9 @@ class EstimateCache:
         def unread(r: int) -> bool:
             return any(self._stage_reading(lkey, skey, split, s) is None for s in split.rank_stages[r])
 
-        calibrating = cfg0.activation_checkpoint.mode == "budget"
+        # budget calibrates and op records its recompute plan on a block's first call, so each of
+        # their probes gets a fresh assembly, as the full path's (the EP-skewed probe included).
+        calibrating = cfg0.activation_checkpoint.mode in ("budget", "op")
         pending = [j for j in jobs if block_missing(j)]
         mesh_groups = self._mesh_groups(cfg0, world, device) if lkey not in self._layouts else None
         first = True
@@ -328,10 +330,11 @@ class EstimateCache:
         for lid, key in keys.items():
             if key not in self._blocks:
                 first_of.setdefault(key, lid)
-        # Only a calibrating policy needs the warm-up call (the first call equals the second for
-        # none, full and op: checked on DeepSeek V3 16B with EP and Llama 3 8B with TP 2).
+        # A policy that learns on a block's first call needs the warm-up call: budget calibrates,
+        # and op records its recompute plan (parallelisms/ac_dce.py); for none and full the first
+        # call equals the second.
         readout = probe_blocks(rank, cfg, layout, mb, factor, want=set(first_of.values()).__contains__,
-                               warm=cfg.activation_checkpoint.mode == "budget")
+                               warm=cfg.activation_checkpoint.mode in ("budget", "op"))
         for key, lid in first_of.items():
             self._blocks[key] = readout.probes[readout.kind_of[lid]]
         if factor == 1.0:

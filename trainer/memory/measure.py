@@ -85,9 +85,9 @@ def _local_tensors(tensors):
 
 
 def measure_step(argv: list[str]) -> dict:
-    """Builds the trainer for `argv` in this process, runs one warm-up step (counting
-    the activation bytes saved for backward with the AC module's counter: autograd
-    saved tensors + SAC cache), then measures the peak RSS growth of one more step
+    """Builds the trainer for `argv` in this process, runs one warm-up step (AC policies
+    calibrate on it), one step counting the activation bytes saved for backward with the
+    AC module's counter (autograd saved tensors + SAC cache), then measures the peak RSS growth of one more step
     above a baseline taken after the warm-up with gradients freed (params + optimizer
     states resident). Run it in a fresh process with `MALLOC_ENV` so that frees return
     memory. Leaves the process group (if any) open for the next case."""
@@ -100,6 +100,7 @@ def measure_step(argv: list[str]) -> dict:
     try:
         parts = trainer.model_parts
         exclude = [t for p in parts for t in list(p.parameters()) + list(p.buffers())]
+        trainer.train_step(trainer.next_microbatches())  # AC policies record their plans on a block's first call
         batches = trainer.next_microbatches()
         with SavedActivationCounter(exclude) as counter:
             trainer.train_step(batches)
