@@ -44,6 +44,23 @@ from parallelisms.ac_ops import MATMUL_OPS
 # Callables given every tensor autograd packs inside a checkpointed forward (while the
 # checkpoint was given `determinism_check=PACK_PROBE`).
 PACK_LISTENERS: list = []
+
+
+def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
+    """The index of `x` among a recorded call's packs when it is the pack recorded there (shape,
+    dtype, the op that made it); else None, and `listener.ok` turns False for the rest of the call."""
+    j = listener.count
+    listener.count = j + 1
+    if not listener.ok or j >= len(metas):
+        listener.ok = False
+        return None
+    shape, dtype, grad_fn = metas[j]
+    if x.shape != shape or x.dtype != dtype or type(x.grad_fn) is not grad_fn:
+        listener.ok = False
+        return None
+    return j
+
+
 PACK_PROBE = "titanlite_pack_probe"
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, Ref
+from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, Ref, pack_matches
 
 
 @dataclass
@@ -133,15 +133,8 @@ class _KeepPacks:
         return self
 
     def on_pack(self, x: torch.Tensor) -> None:
-        j = self.count
-        self.count = j + 1
-        metas = self.direct.metas
-        if not self.ok or j >= len(metas):
-            self.ok = False
-            return
-        shape, dtype, grad_fn = metas[j]
-        if x.shape != shape or x.dtype != dtype or type(x.grad_fn) is not grad_fn:
-            self.ok = False
+        j = pack_matches(self, self.direct.metas, x)
+        if j is None:
             return
         if self.direct.keep[j]:
             self.recompute.kept[j] = x.detach()

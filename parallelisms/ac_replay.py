@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS
+from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, pack_matches
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_replay_mode
 
 
@@ -99,15 +99,8 @@ class _PackOnlyForward:
 
     def on_pack(self, x: torch.Tensor) -> None:
         from torch.utils.checkpoint import _detach_helper, _VersionWrapper
-        j = self.count
-        self.count = j + 1
-        metas = self.replay.metas
-        if not self.ok or j >= len(metas):
-            self.ok = False
-            return
-        shape, dtype, grad_fn = metas[j]
-        if x.shape != shape or x.dtype != dtype or type(x.grad_fn) is not grad_fn:
-            self.ok = False
+        j = pack_matches(self, self.replay.metas, x)
+        if j is None:
             return
         for k, slot, size, stride, offset in self.replay.fills[j]:
             self.values[k][slot] = _VersionWrapper(_detach_helper(x.as_strided(size, stride, offset)))
