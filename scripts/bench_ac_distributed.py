@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     opts = p.parse_args(own)
     if opts._worker:
+        from trainer.distributed import exit_process
         _worker(opts, rest)
+        exit_process(0)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),

@@ -176,4 +176,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.distributed import exit_process
+    exit_process(main())

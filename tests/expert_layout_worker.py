@@ -72,4 +72,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from trainer.distributed import exit_process
     main()
+    exit_process(0)

@@ -105,4 +105,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.distributed import exit_process
+    exit_process(main())

@@ -73,4 +73,5 @@ def run_case(case: dict, out: Path) -> None:
 if __name__ == "__main__":
     from tests.helpers import run_worker_cases
 
-    sys.exit(run_worker_cases(run_case, "MOE_SEMANTICS_ONLY"))
+    from trainer.distributed import exit_process
+    exit_process(run_worker_cases(run_case, "MOE_SEMANTICS_ONLY"))

@@ -130,4 +130,6 @@ def main(port: int, what: str = "syncs") -> None:
 
 
 if __name__ == "__main__":
+    from trainer.distributed import exit_process
     main(int(sys.argv[1]), *sys.argv[2:])
+    exit_process(0)

@@ -69,6 +69,7 @@ def _worker(rank: int, port: int, out_path: str):
     from torch.distributed.fsdp import fully_shard
 
     from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
+    from trainer.distributed import exit_process
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -91,6 +92,7 @@ def _worker(rank: int, port: int, out_path: str):
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    exit_process(0)
 
 
 @pytest.mark.multirank

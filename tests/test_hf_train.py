@@ -270,4 +270,5 @@ def test_sharded_region_reads(hf_folders, tmp_path):
 if __name__ == "__main__":
     from tests.helpers import run_worker_cases
 
-    sys.exit(run_worker_cases(_run_case, "HF_TRAIN_ONLY"))
+    from trainer.distributed import exit_process
+    exit_process(run_worker_cases(_run_case, "HF_TRAIN_ONLY"))

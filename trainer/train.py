@@ -427,4 +427,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_entry_point(main))
+    tdist.exit_process(run_entry_point(main))

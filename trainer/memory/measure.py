@@ -147,7 +147,8 @@ def _measure_main(spec_path: str) -> int:
 if __name__ == "__main__":
     import sys
     if len(sys.argv) == 3 and sys.argv[1] == "--measure-cases":
-        sys.exit(_measure_main(sys.argv[2]))
+        from trainer.distributed import exit_process
+        exit_process(_measure_main(sys.argv[2]))
     print("usage: python -m trainer.memory.measure --measure-cases CASES.json  "
           "(see scripts/estimate_memory.py --validate)")
     sys.exit(2)
