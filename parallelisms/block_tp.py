@@ -96,8 +96,8 @@ def moe_plan(prefix: str, sp: bool, ep: int, plan: dict, *, shared_experts: bool
             output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
         plan[f"{prefix}.moe.router.gate"] = tp.SequenceParallel(sequence_dim=0, use_local_output=True)
         if shared_experts:
-            plan[f"{prefix}.moe.shared_experts"] = tp.PrepareModuleInput(
-                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True)
+            plan[f"{prefix}.moe.shared_experts"] = tp.PrepareModuleInput(  # a DTensor: see module_input_style
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=False)
             plan[f"{prefix}.moe.shared_experts.w2"] = tp.RowwiseParallel(output_layouts=Shard(0),
                                                                          use_local_output=True)
     else:

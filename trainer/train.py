@@ -23,6 +23,7 @@ import torch.distributed as dist
 from models.common.moe_balance import set_aux_loss_sequences
 from parallelisms.apply import autocast_context, build_model_parts, resolve_precision
 from parallelisms.grad_clip import clip_grad_norm_
+from parallelisms.grad_reduce import settle_gradient_placements
 from parallelisms.parallel_dims import ParallelDims
 from trainer import distributed as tdist
 from trainer.checkpoint import CheckpointError, Checkpointer
@@ -237,6 +238,8 @@ class Trainer:
         with self.train_context(self.count_global_tokens(batches)), self.watch.phase("forward/backward"):
             loss_sum = self.forward_backward(batches)
         params = [p for part in self.model_parts for p in part.parameters()]
+        with self.watch.phase("gradient placements"):
+            settle_gradient_placements(params)
         if self.ft is not None:  # the HSDP replicate all-reduce, across replica groups (and the loss terms)
             with self.watch.phase("fault tolerance: gradient sum"):
                 self.ft.reduce_gradients(params, loss_sum)
