@@ -153,13 +153,47 @@ def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
     out, tiny_out = [torch.empty_like(x) for _ in range(world)], [torch.empty_like(tiny) for _ in range(world)]
     big = _timed(lambda: dist.all_gather(out, x), 1.0)
     small = _timed(lambda: dist.all_gather(tiny_out, tiny), 0.5)
+    sync = _sync_point_s()
     if rank == 0:  # bus bandwidth: each rank receives (world-1)/world of the gathered bytes
-        queue.put((x.numel() * 4 * (world - 1) / max(big - small, 1e-9), small))
+        queue.put((x.numel() * 4 * (world - 1) / max(big - small, 1e-9), small, sync))
     dist.destroy_process_group()
 
 
-def measure_gloo(world: int = 2) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, seconds per call) of a gloo all-gather between `world` processes."""
+def _sync_point_s() -> float:
+    """What a blocking collective costs between two steps of work beyond the two apart, as TP's
+    gathers sit between its matmuls: (work + gather interleaved) - work - gather, one thread per
+    rank, a 256 KiB gather (the debug models' activation at 256 tokens). Median of 3 repeats."""
+    import statistics
+
+    import torch.distributed as dist
+
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    x = torch.randn(32 << 10)
+    out = torch.empty(x.numel() * dist.get_world_size())
+
+    def work():
+        for _ in range(8):
+            a @ b
+
+    def gather():
+        all_gather(out, x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a multi-rank CPU run
+    try:
+        extra = []
+        for _ in range(3):
+            alone = _timed(work, 0.2) + _timed(gather, 0.2)
+            extra.append(_timed(lambda: (work(), gather()), 0.4) - alone)
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, statistics.median(extra))
+
+
+def measure_gloo(world: int = 2) -> tuple[float, float, float]:
+    """(bus bandwidth in bytes/s, seconds per call, seconds per sync point) of a gloo all-gather
+    between `world` processes."""
     import socket
 
     import torch.multiprocessing as mp
@@ -192,12 +226,12 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
         multipliers = measure_dispatch_multipliers(block)
     finally:
         torch.set_num_threads(threads)
-    gloo, latency = measure_gloo()
+    gloo, latency, sync = measure_gloo()
     with open("/proc/meminfo") as f:
         ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
                      hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02,
-                     block_overhead_s=block, collective_latency_s=latency, **multipliers)
+                     block_overhead_s=block, collective_latency_s=latency, sync_point_s=sync, **multipliers)
     hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,
                   hbm_gbs=membw / 1e9, nvlink_gbs=gloo / 1e9, gpus_per_node=64, internode_gbs=gloo / 1e9,
                   device="cpu", cores=cores, efficiency=eff,
@@ -208,7 +242,7 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     report = (f"calibrated {CPU_NAME} in {time.perf_counter() - t0:.1f} s on {cores} cores (fp32): matmul "
               f"{mm / 1e9:.1f} GFLOP/s, attention {attn / 1e9:.1f} GFLOP/s ({attn / mm:.0%}), grouped GEMM "
               f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s and "
-              f"{latency * 1e6:.0f} us per call, eager dispatch {block * 1e3:.2f} ms per block pass (x"
+              f"{latency * 1e6:.0f} us per call ({sync * 1e6:.0f} us more between work), eager dispatch {block * 1e3:.2f} ms per block pass (x"
               f"{multipliers['ac_full_dispatch_x']:.2f} full AC, x{multipliers['ac_op_dispatch_x']:.2f} op, x"
               f"{multipliers['ac_budget_dispatch_x']:.2f} budget, x{multipliers['dtensor_dispatch_x']:.2f} on DTensors), "
               f"FSDP hooks {multipliers['fsdp_unit_overhead_s'] * 1e3:.2f} ms per unit pass; "

@@ -36,6 +36,9 @@ class Efficiency:
     # NCCL latency is not modelled; CPU: measured by --calibrate, where eager dispatch dominates small shapes).
     block_overhead_s: float = 0.0  # per block per microbatch, forward + backward: eager op dispatch
     collective_latency_s: float = 0.0  # per collective call (the alpha of an alpha-beta model)
+    # per blocking collective (TP/CP/EP, on the critical path): both ranks wait for the slower one, so
+    # their jitter between collectives adds up; CPU: measured as compute + collective interleaved
+    sync_point_s: float = 0.0
     # Multiples of block_overhead_s (names end in _x: >= 1, no upper bound): a block pass's dispatch
     # under each AC mode (the policy's per-op work and the recompute's dispatch) and on DTensors (TP).
     ac_full_dispatch_x: float = 1.0

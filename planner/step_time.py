@@ -173,7 +173,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         if group <= 1 or nbytes <= 0:
             return
         link, bw = _link(span, hw)
-        seconds = nbytes / (bw * eff.link) + calls * eff.collective_latency_s * oversubscribed
+        per_call = eff.collective_latency_s + (0.0 if overlapped else eff.sync_point_s)
+        seconds = nbytes / (bw * eff.link) + calls * per_call * oversubscribed
         colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls))
 
     stage_params = share(sum(w.layer_dense) + sum(w.layer_norms)) + w.head + w.embedding / max(1, pp)

@@ -155,8 +155,9 @@ def test_predicted_memory_matches_a_measured_step():
 
 def test_fixed_cost_terms_count_block_passes_and_collective_calls():
     """The eager-dispatch term is block_overhead_s per block per microbatch (stretched by ranks /
-    cores), and each collective pays collective_latency_s per call: checked against counts made
-    by hand for FSDP 2 and FSDP 8 on a 2-core CPU entry, and 0 on the GPU entries."""
+    cores), each collective pays collective_latency_s per call, and a blocking one (TP) also
+    sync_point_s: checked against counts made by hand for FSDP 2, FSDP 8 and TP 2 on a 2-core
+    CPU entry, and 0 on the GPU entries."""
     import dataclasses
 
     from planner.hardware import KNOWN, hardware_from_table
@@ -169,7 +170,7 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
     base = hardware_from_table(table, "test")
     costly = dataclasses.replace(base, efficiency=dataclasses.replace(
         base.efficiency, block_overhead_s=0.003, collective_latency_s=0.001, fsdp_unit_overhead_s=0.002,
-        ac_op_dispatch_x=2.5, dtensor_dispatch_x=3.0))
+        ac_op_dispatch_x=2.5, dtensor_dispatch_x=3.0, sync_point_s=0.004))
     cfg = load_config(DEBUG)
     w = workload_of(cfg)
     for world, stretch in ((2, 1.0), (8, 4.0)):
@@ -186,8 +187,14 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
     tp_op = Plan(2, 1, 1, tp=2, local_batch=2, ac="op")
     assert predict(tp_op, w, costly, 128, compute_bytes=4).parts["eager dispatch"] == pytest.approx(
         0.003 * 2.5 * 3.0 * w.n_layers * tp_op.n_microbatches)
+    # TP's gathers and reduce-scatters block: each call pays the latency and the sync point
+    tp = Plan(2, 1, 1, tp=2, local_batch=2)
+    sp, sp_plain = (next(c for c in predict(tp, w, hw, 128, compute_bytes=4).collectives if c.name.startswith("TP/SP"))
+                    for hw in (costly, base))
+    assert sp.calls == 8 * w.n_layers * tp.n_microbatches and not sp.overlapped
+    assert sp.seconds - sp_plain.seconds == pytest.approx(sp.calls * (0.001 + 0.004))
     gpu = KNOWN["h100-sxm"].efficiency
-    assert gpu.block_overhead_s == gpu.collective_latency_s == gpu.fsdp_unit_overhead_s == 0
+    assert gpu.block_overhead_s == gpu.collective_latency_s == gpu.fsdp_unit_overhead_s == gpu.sync_point_s == 0
     assert gpu.ac_op_dispatch_x == gpu.ac_full_dispatch_x == gpu.ac_budget_dispatch_x == gpu.dtensor_dispatch_x == 1
 
 
