@@ -10,6 +10,7 @@ Everything takes well under a minute.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -145,17 +146,22 @@ def _timed(fn, min_time: float) -> float:
     return dt.item()
 
 
-def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
+def _gloo_worker(rank: int, world: int, port: int, queue, latency_only: bool) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    x, tiny = torch.randn(4 << 20), torch.randn(1)  # 16 MiB, and one element (the per-call latency)
-    out, tiny_out = [torch.empty_like(x) for _ in range(world)], [torch.empty_like(tiny) for _ in range(world)]
-    big = _timed(lambda: dist.all_gather(out, x), 1.0)
+    tiny = torch.randn(1)  # one element: the per-call latency
+    tiny_out = [torch.empty_like(tiny) for _ in range(world)]
     small = _timed(lambda: dist.all_gather(tiny_out, tiny), 0.5)
-    sync = _sync_point_s()
-    if rank == 0:  # bus bandwidth: each rank receives (world-1)/world of the gathered bytes
-        queue.put((x.numel() * 4 * (world - 1) / max(big - small, 1e-9), small, sync))
+    bandwidth = sync = 0.0
+    if not latency_only:
+        x = torch.randn(4 << 20)  # 16 MiB
+        out = [torch.empty_like(x) for _ in range(world)]
+        big = _timed(lambda: dist.all_gather(out, x), 1.0)
+        bandwidth = x.numel() * 4 * (world - 1) / max(big - small, 1e-9)  # each rank receives (world-1)/world
+        sync = _sync_point_s()
+    if rank == 0:
+        queue.put((bandwidth, small, sync))
     dist.destroy_process_group()
 
 
@@ -191,7 +197,7 @@ def _sync_point_s() -> float:
     return max(0.0, statistics.median(extra))
 
 
-def measure_gloo(world: int = 2) -> tuple[float, float, float]:
+def measure_gloo(world: int = 2, latency_only: bool = False) -> tuple[float, float, float]:
     """(bus bandwidth in bytes/s, seconds per call, seconds per sync point) of a gloo all-gather
     between `world` processes."""
     import socket
@@ -203,13 +209,26 @@ def measure_gloo(world: int = 2) -> tuple[float, float, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue, latency_only)) for r in range(world)]
     for p in procs:
         p.start()
     bw_latency = queue.get(timeout=120)
     for p in procs:
         p.join(timeout=60)
     return bw_latency
+
+
+def measure_oversubscribed_latency_x(cores: int, latency: float) -> float:
+    """How a collective's latency grows with the ranks per core beyond one: the one-element
+    all-gather among 2 x and 4 x `cores` processes against `latency` (2 processes), as a factor
+    per doubling (geometric mean of the two). 2 (linear) where that would be over 16 processes."""
+    if 4 * cores > 16:
+        return 2.0
+    factors = []
+    for doublings, world in ((1, 2 * cores), (2, 4 * cores)):
+        slow = measure_gloo(world, latency_only=True)[1]
+        factors.append(max(1.0, slow / latency) ** (1 / doublings))
+    return max(1.0, math.prod(factors) ** (1 / len(factors)))
 
 
 def calibrate_cpu(path=None) -> tuple[Hardware, str]:
@@ -227,11 +246,13 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     finally:
         torch.set_num_threads(threads)
     gloo, latency, sync = measure_gloo()
+    latency_x = measure_oversubscribed_latency_x(cores, latency)
     with open("/proc/meminfo") as f:
         ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
                      hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02,
-                     block_overhead_s=block, collective_latency_s=latency, sync_point_s=sync, **multipliers)
+                     block_overhead_s=block, collective_latency_s=latency, sync_point_s=sync,
+                     oversubscribed_latency_x=latency_x, **multipliers)
     hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,
                   hbm_gbs=membw / 1e9, nvlink_gbs=gloo / 1e9, gpus_per_node=64, internode_gbs=gloo / 1e9,
                   device="cpu", cores=cores, efficiency=eff,
@@ -242,7 +263,8 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     report = (f"calibrated {CPU_NAME} in {time.perf_counter() - t0:.1f} s on {cores} cores (fp32): matmul "
               f"{mm / 1e9:.1f} GFLOP/s, attention {attn / 1e9:.1f} GFLOP/s ({attn / mm:.0%}), grouped GEMM "
               f"{grouped / 1e9:.1f} GFLOP/s, memory {membw / 1e9:.1f} GB/s, gloo all-gather {gloo / 1e9:.2f} GB/s and "
-              f"{latency * 1e6:.0f} us per call ({sync * 1e6:.0f} us more between work), eager dispatch {block * 1e3:.2f} ms per block pass (x"
+              f"{latency * 1e6:.0f} us per call ({sync * 1e6:.0f} us more between work; x{latency_x:.1f} per doubling "
+              f"of the ranks per core), eager dispatch {block * 1e3:.2f} ms per block pass (x"
               f"{multipliers['ac_full_dispatch_x']:.2f} full AC, x{multipliers['ac_op_dispatch_x']:.2f} op, x"
               f"{multipliers['ac_budget_dispatch_x']:.2f} budget, x{multipliers['dtensor_dispatch_x']:.2f} on DTensors), "
               f"FSDP hooks {multipliers['fsdp_unit_overhead_s'] * 1e3:.2f} ms per unit pass; "

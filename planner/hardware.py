@@ -46,6 +46,9 @@ class Efficiency:
     ac_budget_dispatch_x: float = 1.0
     dtensor_dispatch_x: float = 1.0
     fsdp_unit_overhead_s: float = 0.0  # per FSDP unit per microbatch, forward + backward: FSDP2's hooks
+    # CPU with more ranks than cores: a collective's latency (and sync point) grows by this factor
+    # each time the ranks per core double (every hop waits for a rank to be scheduled); 2 = linear
+    oversubscribed_latency_x: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,8 @@ def hardware_from_table(table: dict, source: str, name: str | None = None) -> Ha
         eff[key] = _number(source, f"efficiency.{key}", v, positive=not seconds and key != "overlap",
                            at_most=None if seconds or multiple else 1.0)
         if multiple and v < 1:
-            raise ConfigError(f"config error: {source}: efficiency.{key} = {v!r} is a multiple of the plain "
-                              "block's dispatch; give a number >= 1")
+            raise ConfigError(f"config error: {source}: efficiency.{key} = {v!r} is a multiple (a factor of a "
+                              "measured cost); give a number >= 1")
     base = H100_EFFICIENCY if device == "cuda" else Efficiency()
     return Hardware(name=str(table.get("name", name or Path(source).stem)), device=device, cores=cores,
                     efficiency=dataclasses.replace(base, **eff), note=str(table.get("note", "")), **values)

@@ -156,6 +156,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     # The AC and DTensor multiples are measured (--calibrate) and hold the recompute's dispatch
     # and the policy's own per-op work; FSDP's hooks run once per unit per microbatch.
     oversubscribed = max(1.0, plan.world / hw.cores) if hw.device == "cpu" and hw.cores else 1.0
+    # per collective call: measured to grow faster than the ranks per core (--calibrate)
+    latency_stretch = oversubscribed ** math.log2(eff.oversubscribed_latency_x)
     ac_x = {"full": eff.ac_full_dispatch_x, "op": eff.ac_op_dispatch_x, "budget": eff.ac_budget_dispatch_x}
     dispatch_x = ac_x.get(plan.ac, 1.0) * (eff.dtensor_dispatch_x if tp > 1 else 1.0)
     fsdp_units = (L + 1) if plan.dp_shard * cp * plan.dp_replicate > 1 else 0.0
@@ -174,7 +176,7 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
             return
         link, bw = _link(span, hw)
         per_call = eff.collective_latency_s + (0.0 if overlapped else eff.sync_point_s)
-        seconds = nbytes / (bw * eff.link) + calls * per_call * oversubscribed
+        seconds = nbytes / (bw * eff.link) + calls * per_call * latency_stretch
         colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls))
 
     stage_params = share(sum(w.layer_dense) + sum(w.layer_norms)) + w.head + w.embedding / max(1, pp)

@@ -75,8 +75,12 @@ def test_small_search_writes_a_config_that_the_dry_run_accepts(tmp_path, capsys)
 def test_bad_hardware_is_one_line_exit_2(tmp_path, capsys):
     missing = tmp_path / "bad.toml"
     missing.write_text("\n".join(l for l in HW.format(gib=4).splitlines() if not l.startswith("hbm_gbs")))
+    shrinking = tmp_path / "shrinking.toml"
+    shrinking.write_text(HW.format(gib=4) + "\n[efficiency]\noversubscribed_latency_x = 0.5\n")
     for extra, expect in [
         (["--hardware", str(missing)], "missing field hbm_gbs (memory bandwidth, GB/s)"),
+        (["--hardware", str(shrinking)], "efficiency.oversubscribed_latency_x = 0.5 is a multiple (a factor of a "
+                                         "measured cost); give a number >= 1"),
         (["--hardware", "/nonexistent.toml"], "--hardware: /nonexistent.toml not found"),
     ]:
         rc, out, err = _plan([*DEBUG, "--gpus", "2", *extra], capsys)
@@ -183,6 +187,12 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
         assert gather.calls == 2 * plan.n_microbatches * (w.n_layers + 1)  # forward and backward, blocks and root
         assert gather.seconds - plain_gather.seconds == pytest.approx(gather.calls * 0.001 * stretch)
         assert fixed.step_s > plain.step_s
+    # The latency grows by oversubscribed_latency_x per doubling of the ranks per core: 8 ranks on
+    # 2 cores are two doublings, so x3 stretches it 9-fold (the default 2 is the linear 4 above).
+    steep = dataclasses.replace(costly, efficiency=dataclasses.replace(costly.efficiency, oversubscribed_latency_x=3.0))
+    gather = next(c for c in predict(Plan(8, 1, 8, local_batch=2), w, steep, 128, compute_bytes=4).collectives
+                  if c.name == "FSDP all-gather")
+    assert gather.seconds - plain_gather.seconds == pytest.approx(gather.calls * 0.001 * 9)
     # TP 2 with op AC, no FSDP: the block dispatch times both multiples
     tp_op = Plan(2, 1, 1, tp=2, local_batch=2, ac="op")
     assert predict(tp_op, w, costly, 128, compute_bytes=4).parts["eager dispatch"] == pytest.approx(
