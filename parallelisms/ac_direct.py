@@ -22,7 +22,7 @@ and the recompute context, entered by torch's recompute function, runs the steps
 no_grad, hands every pack to the checkpoint's recompute pack hook in order, and stops the
 recompute (`_StopRecomputationError`, as torch's early stop does) before the block's own
 forward runs. Not built (the replay's dispatch-mode recompute runs instead) when a step
-would be a random, in-place, non-aten or multi-output-with-subclass op, reads a storage
+would be a random (attention with dropout), in-place, non-aten or multi-output-with-subclass op, reads a storage
 written in place, or a needed storage is neither made in the block nor packed; nor under
 autocast. If the forward's packs differ from the replay's, the recompute runs the block's
 forward with no mode at all (as `full`, exact).
@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, Ref, pack_matches
+from parallelisms.ac_ops import draws_random
 
 
 @dataclass
@@ -97,10 +98,10 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
             return None  # from outside the block and never packed, or written in place
         event = rec.events[i]
         func = event.func
+        (leaves, spec), outs = rec.calls[i]
         if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") or func._schema.is_mutable \
-                or torch.Tag.nondeterministic_seeded in func.tags:
+                or draws_random(func, *tree_unflatten(leaves, spec)):
             return None
-        (leaves, _), outs = rec.calls[i]
         if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
             return None
         for k, dt in outs:
