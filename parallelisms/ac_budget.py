@@ -326,14 +326,15 @@ def choose(calibration: BlockCalibration, budget_mib: float | None, fraction: fl
 # ---------------------------------------------------------------------------
 
 class BudgetSAC(OpSAC):
-    """mode = "budget": eager memory-budget SAC. Each block keeps the set of op outputs
-    that avoids the most recompute FLOPs within `budget_mib` (or `budget_fraction` of
-    what `none` keeps), chosen by `solve_knapsack` from a measurement of the first call of
+    """mode = "budget": eager memory-budget SAC. Each block keeps the set of packed
+    outputs that avoids the most recompute FLOPs within `budget_mib` (or `budget_fraction`
+    of what `none` keeps), chosen by `choose` from a measurement of the first call of
     each kind of block (that call runs as full AC). Ops `OpSAC` always saves that have no
     FLOPs (collectives, routing, device-to-host copies, the spec's and plan's ops) are
-    kept whatever the budget, and charged to it first; force-recompute matmuls stay
-    recomputed; everything else is recomputed. `choices` / `calibrations` (by block
-    kind) hold what was chosen and measured."""
+    kept whatever the budget, and charged to it first; force-recompute matmuls' outputs
+    are never kept (the recompute plan skips them when what they feed is kept); the
+    recompute plan skips every op only kept outputs need. `choices` / `calibrations` (by
+    block kind) hold what was chosen and measured."""
 
     mode = "budget"
     cache_decisions = False  # decisions depend on each op's invocation index

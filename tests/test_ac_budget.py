@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from parallelisms.ac_budget import BudgetSAC, solve_knapsack
 from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes
 from parallelisms.ac_trace import reset_ac_trace
-from parallelisms.activation_checkpoint import ActivationCheckpointConfig, policy_for
-from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _tiny_deepseek
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing, policy_for
+from tests.test_activation_checkpoint import _assert_bitwise, _llama, _tiny_deepseek, _train
 from trainer.config import load_config
 from configuration.fields import ConfigError
 
@@ -171,11 +171,18 @@ def test_budget_mode_is_bitwise_equal_to_none(which):
     g = torch.Generator().manual_seed(3)
     vocab = base.args.vocab_size
     batches = [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
-               for _ in range(3)]
+               for _ in range(4)]
     spec = _spec(which)
-    ref = _run_mode(base, "none", batches, spec=spec)
+
+    def run(mode, **cfg):  # 4 steps: from the 4th, blocks whose kept outputs are all packed run the fast paths
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, **cfg), spec=spec)
+        torch.manual_seed(1234)
+        return _train(model, batches, steps=4)
+
+    ref = run("none")
     for cfg in ({"budget_fraction": 0.3}, {"budget_mib": 0.05}):
-        _assert_bitwise(ref, _run_mode(base, "budget", batches, spec=spec, cfg=cfg))
+        _assert_bitwise(ref, run("budget", **cfg))
 
 
 def test_budget_trace_prints_the_chosen_set(monkeypatch, caplog):
@@ -219,7 +226,6 @@ def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch
     measurement: block 0 measures in step 1, records in 2, applies in 3; the others record
     in step 1.) Before, every budget block stayed on the dispatch-mode path."""
     import parallelisms.activation_checkpoint as ac
-    from tests.test_activation_checkpoint import _train
     base = _llama("debug_small")
     g = torch.Generator().manual_seed(4)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
