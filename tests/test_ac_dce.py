@@ -159,31 +159,39 @@ def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_p
 
 def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_packs(recomputed,
                                                                                         forward_dispatches):
-    """From call 3 neither pass has a dispatch mode: the recompute runs b's matmul, SiLU and
-    the gate product (what backward reads that the forward did not keep) directly. Call 4
-    takes another branch: its packs differ, so the block's forward runs again in full (no
-    mode), and the next call is back on the dispatch-mode path. Bitwise every call."""
-    from parallelisms.ac_direct import _DirectRecompute
+    """From call 3 neither pass has a dispatch mode, nor torch's checkpoint bookkeeping: the
+    block's own saved-tensor hooks take the packs, drop those the forward does not keep, and
+    the first unpack that needs one runs b's matmul, SiLU and the gate product (what backward
+    reads that the forward did not keep) directly. Call 4 takes another branch: its packs
+    differ, so it drops nothing (it keeps what `none` keeps, and recomputes nothing), and the
+    next call is back on the dispatch-mode path. Bitwise every call."""
+    from parallelisms.ac_direct import _DirectCall
     torch.manual_seed(0)
     block = _Gated()
     x = torch.randn(4, 16)
     policy = OpSAC(ActivationCheckpointConfig(mode="op"))
     kwargs = policy.checkpoint_kwargs(block, prefix="m")
-    entered = collections.Counter()
-    real_enter = _DirectRecompute.__enter__
+    calls = collections.Counter()
+    real_exit, real_rebuild = _DirectCall.__exit__, _DirectCall._rebuild
 
-    def enter(self):
-        entered["direct" if self.kept is not None else "fallback"] += 1
-        return real_enter(self)
+    def exit_(self, *exc):
+        out = real_exit(self, *exc)
+        if self.lost:
+            calls["dropped"] += len(self.lost)
+        return out
 
-    _DirectRecompute.__enter__ = enter
+    def rebuild(self):
+        calls["rebuilt"] += 1
+        return real_rebuild(self)
+
+    _DirectCall.__exit__, _DirectCall._rebuild = exit_, rebuild
     try:
         for call, branch in enumerate((False, False, False, True, False), start=1):
             block.branch = branch
             ref = _grads(block, (x,))
             recomputed.clear()
             forward_dispatches.clear()
-            entered.clear()
+            calls.clear()
             _assert_equal(ref, _grads(block, (x,), kwargs))
             plan = next(iter(policy.plans.values()), None)
             if call == 2:
@@ -191,13 +199,14 @@ def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_
                                                                        "aten.mul.Tensor"]
             if call == 3:
                 assert sum(forward_dispatches.values()) == 0 and sum(recomputed.values()) == 0
-                assert entered == {"direct": 1}
+                assert calls == {"rebuilt": 1, "dropped": sum(not k for k in plan.direct.keep)} and calls["dropped"] > 0
             if call == 4:
-                assert entered == {"fallback": 1} and plan.direct is None and plan.replay is None
+                assert calls == {} and plan.direct is None and plan.replay is None
+                assert sum(forward_dispatches.values()) == 0 and sum(recomputed.values()) == 0
             if call == 5:
-                assert sum(forward_dispatches.values()) > 0 and not entered
+                assert sum(forward_dispatches.values()) > 0 and not calls
     finally:
-        _DirectRecompute.__enter__ = real_enter
+        _DirectCall.__exit__, _DirectCall._rebuild = real_exit, real_rebuild
 
 
 @pytest.mark.parametrize("direct", [True, False])
