@@ -125,9 +125,9 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
 
 class _Slot:
     """What autograd holds for one pack of a direct call: the tensor, or None once dropped
-    (rebuilt at the first unpack that needs it)."""
+    (rebuilt at the first unpack that needs it), and its version when packed."""
 
-    __slots__ = ("x",)
+    __slots__ = ("x", "version")
 
 
 class _DirectCall:
@@ -154,14 +154,20 @@ class _DirectCall:
     def pack(self, x: torch.Tensor) -> _Slot:
         pack_matches(self, self.direct.metas, x)
         slot = _Slot()
-        slot.x = x.detach()
+        slot.x, slot.version = x.detach(), x._version
         self.slots.append(slot)
         return slot
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
-        if slot.x is None:
+        x = slot.x
+        if x is None:
             self._rebuild()
-        return slot.x
+            return slot.x
+        if x._version != slot.version:  # (what autograd raises without hooks; a rebuilt pack is new)
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: a tensor of shape {list(x.shape)} saved in an activation-"
+                               f"checkpointed block is at version {x._version}; expected version {slot.version}")
+        return x
 
     def __exit__(self, exc_type, *exc):
         torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -194,5 +200,6 @@ class _DirectCall:
                 for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
                     bases.setdefault(key, t)
             for slot, r in self.lost:
-                slot.x = bases[r.key].as_strided(r.size, r.stride, r.offset)
+                x = slot.x = bases[r.key].as_strided(r.size, r.stride, r.offset)
+                slot.version = x._version
         self.sources = self.lost = None  # (the slots autograd holds keep what they need)
