@@ -209,6 +209,37 @@ def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_
         _DirectCall.__exit__, _DirectCall._rebuild = real_exit, real_rebuild
 
 
+class _Mutating(_Gated):
+    """`_Gated` that, with `mutate`, scales a's output in place after SiLU packed it."""
+
+    mutate = False
+
+    def forward(self, x):
+        a = self.a(x)
+        h = torch.nn.functional.silu(a)
+        if self.mutate:
+            a.mul_(2)
+        return self.c(self.b(h) * h)
+
+
+def test_direct_call_keeps_autograds_inplace_check():
+    """The direct call's own hooks hold the packs, so autograd's version check is theirs to
+    keep: a pack modified in place after it was saved fails backward as it does without
+    checkpointing, instead of feeding the modified values to the gradient."""
+    torch.manual_seed(0)
+    block = _Mutating()
+    x = torch.randn(4, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for _ in range(3):
+        _assert_equal(_grads(block, (x,)), _grads(block, (x,), kwargs))
+    assert next(iter(policy.plans.values())).direct is not None
+    block.mutate = True
+    for run in (None, kwargs):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _grads(block, (x,), run)
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatches, monkeypatch, direct):
     """Step 1 records each block's plan, step 2 applies it through the dispatch modes, step
