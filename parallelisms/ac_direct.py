@@ -26,8 +26,10 @@ all. torch's per-pack bookkeeping and recompute set-up (holders, metadata checks
 restore, the early-stop exception) cost more than a small recompute on the CPU (budget with
 no limit, which recomputes nothing, cost +10.6% over `none` through them; see
 docs/performance.md). Not built (the replay's dispatch-mode recompute runs instead) when a
-step would draw random numbers, be in-place, non-aten or multi-output-with-subclass, read
-a storage written in place, or a needed storage is neither made in the block nor packed;
+step would draw random numbers, be non-aten or multi-output-with-subclass, or be in-place on
+anything but a storage made in the block that only in-place ops wrote (RMSNorm's `add_` of
+eps runs as a step after the `mean` it writes), or a needed storage is neither made in the
+block nor packed;
 nor under autocast. If the forward's packs differ from the replay's, the call drops
 nothing: it keeps what `none` keeps (exact), and the block goes back to the mode path.
 """
@@ -88,6 +90,7 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
         if keep[j]:
             sources.setdefault(r.key, j)
             dtypes.setdefault(r.key, r.dtype)
+    writers = _inplace_writers(rec)
     needed: set = set()
     todo = [r for j, r in enumerate(rec.pack_refs) if not keep[j]]
     seen: set = set()
@@ -99,28 +102,57 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
             continue
         seen.add(ref.key)
         i = made.get(ref.key)
-        if i is None or ref.key in rec.written:
-            return None  # from outside the block and never packed, or written in place
-        event = rec.events[i]
-        func = event.func
-        (leaves, spec), outs = rec.calls[i]
-        if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") or func._schema.is_mutable \
-                or draws_random(func, *tree_unflatten(leaves, spec)):
-            return None
-        if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
-            return None
-        for k, dt in outs:
-            dtypes.setdefault(k, dt)
+        if i is None:
+            return None  # from outside the block and never packed
+        steps = [i]
+        if ref.key in rec.written:  # only by in-place ops on it (RMSNorm's `add_` of eps): they are steps too
+            steps += writers.get(ref.key) or [None]
+        for i in steps:
+            if i is None:
+                return None
+            func = rec.events[i].func
+            (leaves, spec), outs = rec.calls[i]
+            if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") \
+                    or (func._schema.is_mutable and not rec.events[i].inplace_skip) \
+                    or draws_random(func, *tree_unflatten(leaves, spec)):
+                return None
+            if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
+                return None
+            for k, dt in outs:
+                dtypes.setdefault(k, dt)
+            needed.add(i)
+            todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
         if dtypes[ref.key] != ref.dtype:
             return None
-        needed.add(i)
-        todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
     steps = []
     for i in sorted(needed):
         (leaves, spec), outs = rec.calls[i]
         steps.append((rec.events[i].func, leaves, spec, tuple(k for k, _ in outs)))
     cached = [r.key in kept_keys for r in rec.pack_refs]
     return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas)
+
+
+def _inplace_writers(rec: CallRecorder) -> dict:
+    """storage -> the in-place ops that wrote it (event indices), for the storages made in the
+    block that only such ops wrote: an aten op returning its first argument, on a plain
+    tensor (`_Event.inplace_skip`). Run as steps, in forward order, on the fresh tensor the
+    steps made, they write what the forward wrote. A storage any other mutable op read or
+    wrote is left out."""
+    writers: dict = {}
+    other: set = set()
+    for i, e in enumerate(rec.events):
+        schema = getattr(e.func, "_schema", None)
+        if schema is not None and not schema.is_mutable:
+            continue
+        (leaves, _), outs = rec.calls[i]
+        keys = {leaf.key for leaf in leaves if type(leaf) is Ref}
+        if e.inplace_skip and len(outs) == 1 and outs[0][0] is not None and None not in leaves:
+            writers.setdefault(outs[0][0], []).append(i)
+            keys.discard(outs[0][0])
+        elif None in leaves or schema is None:
+            return {}  # (a subclass or an op without a schema: which storage it wrote is not known)
+        other |= keys
+    return {k: v for k, v in writers.items() if k not in other}
 
 
 class _Slot:

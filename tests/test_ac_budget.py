@@ -246,3 +246,25 @@ def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch
     (choice,) = policy.choices.values()
     assert ("aten.add.Tensor", 0) in choice.keep and ("aten.mm.default", 0) not in choice.keep, choice.keep
     assert all(plan.replay is not None and plan.direct is not None for plan in policy.plans.values())
+
+
+def test_budget_zero_recomputes_directly_through_rmsnorms_inplace_add():
+    """Budget 0 keeps only the block's input, so the direct recompute rebuilds RMSNorm's
+    `rsqrt` column: `mean`, then its in-place `add_` of eps, run as steps on the fresh
+    tensor. (In-place steps were refused: such blocks fell back to the dispatch-mode
+    recompute.) Bitwise equal to `none` over 4 steps, the 4th on the fast paths."""
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(4)]
+    torch.manual_seed(1234)
+    ref = _train(copy.deepcopy(base), batches, steps=4)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_mib=0.0))
+    torch.manual_seed(1234)
+    _assert_bitwise(ref, _train(model, batches, steps=4))
+    (choice,) = policy.choices.values()
+    assert choice.keep == frozenset()
+    for plan in policy.plans.values():
+        steps = [str(op) for op, *_ in plan.direct.steps]
+        assert steps.count("aten.add_.Scalar") == 2 and steps.index("aten.add_.Scalar") == steps.index("aten.mean.dim") + 1
