@@ -423,7 +423,8 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
     that only a DTensor op reads (w2's rowwise matmul, through `from_local`, which
     dispatches no op). Keyed by the DTensor wrapper's own stand-in storage, that read was
     missed: the product got a Placeholder and w2's gradient was garbage from the second
-    step on (test_parallel_layouts' tp2_ac_op). Storages are now those inside a subclass."""
+    step on (test_parallel_layouts' tp2_ac_op). Storages are now those inside a subclass.
+    `budget` too, over 4 steps (it measures, records, then applies its plan)."""
     import copy
 
     import torch.distributed as dist
@@ -436,17 +437,17 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
 
     g = torch.Generator().manual_seed(4)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(2)]
+               for _ in range(4)]
     base = _llama("debug_small")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         parallelism = load_config(["--parallelism.disable_loss_parallel", "true"]).parallelism
-        runs = {}
-        for mode in ("none", "op"):
+        runs, policies = {}, {}
+        for mode in ("none", "budget", "op"):  # (op last: `recomputed` is its last step's)
             model = copy.deepcopy(base)
             parallelize_llama(model, mesh, parallelism)
-            policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
+            policies[mode] = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
             runs[mode] = []
             for inputs, target in batches:  # the first call of each block records its plan, the second applies it
                 model.zero_grad(set_to_none=True)
@@ -457,11 +458,13 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
                 runs[mode].append((loss.detach(), {_clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}))
     finally:
         dist.destroy_process_group()
-    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
-        assert torch.equal(loss_ref, loss)
-        assert all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref), \
-            [n for n in grads_ref if not torch.equal(grads_ref[n], grads[n])]
-    plans = list(policy.plans.values())
+    for mode in ("op", "budget"):
+        for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
+            assert torch.equal(loss_ref, loss), mode
+            assert all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref), \
+                (mode, [n for n in grads_ref if not torch.equal(grads_ref[n], grads[n])])
+    assert len(policies["budget"].plans) == 3
+    plans = list(policies["op"].plans.values())
     assert len(plans) == 3 and not any(p.disabled for p in plans)
     assert all(len(p.placeholders) >= 8 for p in plans)  # the plan skips ops (here: RoPE and what feeds it)
-    assert recomputed[aten.cat.default] == 0  # no RoPE rotation ran in the second step's recompute
+    assert recomputed[aten.cat.default] == 0  # no RoPE rotation ran in the last step's recompute
