@@ -226,8 +226,8 @@ class _DirectCall:
         bases = {key: slot.x for key, slot in self.sources.items()}
         with torch.no_grad():
             for func, leaves, spec, outs in self.direct.steps:
-                args, kwargs = tree_unflatten(
-                    [bases[x.key].as_strided(x.size, x.stride, x.offset) if type(x) is Ref else x for x in leaves], spec)
+                args, kwargs = tree_unflatten([bases[x.key].as_strided(x.size, x.stride, x.offset)
+                                               if type(x) is Ref else x for x in leaves], spec)
                 out = func(*args, **kwargs)
                 for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
                     bases.setdefault(key, t)
