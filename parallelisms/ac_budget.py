@@ -2,26 +2,32 @@
 
 Why: the compile partitioner's `memory_budget` needs torch.compile; op-level SAC's
 "every other matmul" rule ignores what each op costs. Here the first call of each kind
-of block is run as full AC while `BlockCalibration` records, exactly, for every op
-whose output could be kept:
+of block is run as full AC while `BlockCalibration` records, exactly, every op (by
+storage, as the recompute plan does: `ac_dce.CallRecorder`) and every tensor autograd
+packs. The items of the knapsack are the **packed** outputs, the only ones backward
+reads (RoPE's q and k, v, the attention output, h, w1's and w3's outputs, ...):
 
-- its weight: the bytes of the new storage its outputs occupy (what the SAC cache would
+- an item's weight is the bytes of the storage it occupies (what the SAC cache would
   hold, the same count as `ac_measure.SavedActivationCounter`);
-- its value: the recompute FLOPs that keeping it avoids, i.e. its FLOPs
-  (`ac_ops.op_flops`, FlopCounterMode's formulas) if the early-stopping recompute
-  re-runs it, and 0 if the recompute stops before reaching it (a block's last matmul);
-- what `none` would keep for the block (every tensor autograd packs, deduplicated by
-  storage, without parameters and constant inputs), for a budget given as a fraction.
+- its value is the recompute FLOPs that keeping it avoids: its own op and every op
+  that only fed it (keeping q after RoPE kills `wq` and the rotation: the recompute
+  plan skips them). Ops that run anyway (collectives, other packs' chains) are not
+  counted. Packed outputs whose chain has no FLOPs (norms, SiLU, copies) are kept
+  with the room the FLOP-valued choice leaves, most ops avoided per byte first.
 
-Where the recompute stops is read from the checkpoint's own pack events: autograd packs
-an op's inputs just before the op runs, the recompute stops at the last pack, so the ops
-dispatched before the last pack are the ones it re-runs. The packs are observed through
-`ac_sac.PACK_LISTENERS` (the op-level policy's `determinism_check` hook, which also
-returns the default metadata, so the determinism check is unchanged).
+Keeping a matmul output autograd does not pack (`wq`'s, before RoPE) would save the
+same FLOPs for the same bytes as keeping the packed tensor after it, and still re-run
+the element-wise ops in between; worse, it bars the block from the fast paths, whose
+kept outputs are cut from autograd's packs (`ac_replay`, `ac_direct`). So only packed
+outputs are chosen. Also measured: what `none` would keep for the block (every tensor
+autograd packs, deduplicated by storage, without parameters and constant inputs), for a
+budget given as a fraction; ops after the last pack never run in the early-stopping
+recompute and are worth nothing.
 
-`solve_knapsack` then picks the most valuable set that fits the budget; later calls of
+`solve_knapsack` picks the most valuable set that fits the budget; later calls of
 blocks of that kind keep exactly that set (by op and per-op invocation index, as torch's
-SAC storage indexes its entries).
+SAC storage indexes its entries), and `recompute_flops` says, by the recompute plan's
+own rules (`ac_dce.make_plan`), what their recompute runs.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
 
-from parallelisms.ac_ops import D2H_OPS, MATMUL_OPS, has_flop_formula, is_device_to_host, is_runtime_op, op_flops, op_key
-from parallelisms.ac_dce import PACK_LISTENERS, block_kind
+from parallelisms.ac_ops import (D2H_OPS, MATMUL_OPS, draws_random, has_flop_formula, is_device_to_host, is_runtime_op,
+                                 op_flops, op_key)
+from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, block_kind, make_plan
 from parallelisms.ac_sac import plain_tensors, tracing_for_compile
 from parallelisms.ac_trace import trace_enabled, trace_line
 from parallelisms.activation_checkpoint import OpSAC
@@ -72,29 +80,38 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 @dataclass
 class Candidate:
-    op: object  # the OpOverload
+    op: object  # the OpOverload whose output is kept
     index: int  # its invocation index among this op's calls in the block (torch's SAC storage key)
     position: int  # its position among all the block's ops
     nbytes: int
-    flops: int
-    value: int = 0  # flops if the recompute re-runs it, else 0
+    flops: int  # of the op itself
+    value: int = 0  # the recompute FLOPs keeping it avoids (its op and the ops that only fed it)
+    ops: int = 1  # the ops keeping it avoids (ranks the outputs whose chains have no FLOPs)
 
     @property
     def key(self) -> tuple[str, int]:
         return str(self.op), self.index
 
 
+_ALWAYS = -1  # the owner of an op that runs in the recompute whatever is kept
+
+
 @dataclass
 class BlockCalibration:
     """What one full-AC call of a block reveals (see the module docstring)."""
 
-    candidates: list[Candidate] = field(default_factory=list)
-    forced: list[Candidate] = field(default_factory=list)  # force-recompute matmuls
+    candidates: list[Candidate] = field(default_factory=list)  # packed outputs worth FLOPs
+    extras: list[Candidate] = field(default_factory=list)  # packed outputs whose chain has no FLOPs
+    forced: list[Candidate] = field(default_factory=list)  # ops with FLOPs that run whatever is kept
     pinned_bytes: int = 0  # outputs kept whatever the budget (collectives, routing, ...)
     none_bytes: int = 0
     input_bytes: int = 0
     stop: int | None = None  # ops dispatched before the last pack
     position: int = 0
+    recorder: CallRecorder = field(default_factory=CallRecorder)
+    flops: list = field(default_factory=list)  # per op
+    nbytes: list = field(default_factory=list)  # per op: the new storages it made
+    kinds: list = field(default_factory=list)  # per op: its kind (see `on_op`)
     _produced: _Storages = field(default_factory=_Storages)  # storages created inside the block
     _external: _Storages = field(default_factory=_Storages)  # from outside (inputs, parameters)
     _packed: _Storages = field(default_factory=_Storages)
@@ -106,8 +123,8 @@ class BlockCalibration:
     def __exit__(self, *exc):
         if self.on_pack in PACK_LISTENERS:
             PACK_LISTENERS.remove(self.on_pack)
-        for c in self.candidates + self.forced:
-            c.value = c.flops if self.stop is None or c.position < self.stop else 0
+        self.recorder.alive.clear()
+        self._value_outputs()
 
     def _storages(self, tree):
         from torch.utils._pytree import tree_leaves
@@ -117,8 +134,9 @@ class BlockCalibration:
                     yield _storage(t)
 
     def on_op(self, func, index: int, args, kwargs, out, kind: str) -> None:
-        """Notes one op of the forward. `kind`: "candidate" (recorded if it has FLOPs),
-        "forced" (always recomputed), "pinned" (kept whatever the budget) or "other"."""
+        """Notes one op of the forward. `kind`: "candidate" (its output may be kept),
+        "forced" (a force-recompute matmul: never kept), "pinned" (kept whatever the
+        budget) or "other"."""
         for key, _ in self._storages((args, kwargs)):
             if key not in self._produced:
                 self._external.add(key)  # the block's inputs, parameters, constants
@@ -127,16 +145,17 @@ class BlockCalibration:
             if key not in self._produced and key not in self._external:
                 self._produced.add(key)
                 nbytes += size
-        if kind in ("candidate", "forced"):
-            flops = op_flops(func, args, kwargs, out)
-            if flops > 0:
-                (self.candidates if kind == "candidate" else self.forced).append(
-                    Candidate(func, index, self.position, nbytes, flops))
-        elif kind == "pinned":
+        if kind == "pinned":
             self.pinned_bytes += nbytes
+        pinned = kind == "pinned"
+        self.recorder.on_op(func, index, args, kwargs, out, pinned, "SAVE" if pinned else "RECOMPUTE")
+        self.flops.append(op_flops(func, args, kwargs, out) if kind in ("candidate", "forced") else 0)
+        self.nbytes.append(nbytes)
+        self.kinds.append(kind)
         self.position += 1
 
     def on_pack(self, x: torch.Tensor) -> None:
+        self.recorder.on_pack(x)
         self.stop = self.position
         for t in plain_tensors(x):
             if _is_parameter(t):
@@ -149,6 +168,82 @@ class BlockCalibration:
             self.none_bytes += nbytes
             if not inside:
                 self.input_bytes += nbytes
+
+    def _root(self, i: int) -> int:
+        events = self.recorder.events
+        while events[i].alias_of is not None:  # a view: the op that made its storage
+            i = events[i].alias_of
+        return i
+
+    def _keepable(self, i: int) -> bool:
+        """Whether op i's output can be kept for the packs on it: a functional aten op of
+        the forward that made a storage (not a view of a weight), not written in place
+        later, not kept anyway, and drawing no random numbers (a skipped dropout would shift
+        the RNG of the random ops after it)."""
+        e = self.recorder.events[i]
+        func = e.func
+        if not (self.kinds[i] == "candidate" and self.nbytes[i] > 0 and not e.saved and not e.mutated_later
+                and i < (self.stop or 0) and isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
+                and not func._schema.is_mutable):
+            return False
+        (leaves, spec), _ = self.recorder.calls[i]
+        return not draws_random(func, *tree_unflatten(leaves, spec))
+
+    def _value_outputs(self) -> None:
+        """Splits the packed outputs into `candidates` (their chains have FLOPs) and
+        `extras`, and the ops that run whatever is kept into `forced`. Each op the recompute
+        could run is owned by the packs whose chains reach it (walking back from a pack
+        through ops that are neither packed, kept nor run anyway); an op owned by one
+        candidate only is avoided by keeping it. An op owned by several, or by something
+        that always runs (a collective, an unkept output nothing reads, a pack that cannot
+        be kept), counts as always run: `recompute_flops` then says what really runs."""
+        rec, stop = self.recorder, self.stop or 0
+        events = rec.events
+        packed = {self._root(p) for p in rec.packed}
+        cands = sorted(i for i in packed if self._keepable(i))
+        is_cand = set(cands)
+        consumed = {p for e in events for p in e.inputs}
+        starts = {i: (i if i in is_cand else _ALWAYS) for i in range(stop) if not events[i].saved and (
+            i in packed or events[i].must_run or i not in consumed)}
+        owners: dict[int, set] = {}
+        for start, owner in starts.items():
+            todo, seen = list(events[start].inputs), set()
+            while todo:
+                i = todo.pop()
+                if i in seen or i in starts or events[i].saved:
+                    continue
+                seen.add(i)
+                owners.setdefault(i, set()).add(owner)
+                todo.extend(events[i].inputs)
+        value = {c: self.flops[c] for c in cands}
+        ops = {c: 1 for c in cands}
+        always = [i for i, o in starts.items() if o == _ALWAYS]
+        for i, who in owners.items():
+            if len(who) == 1 and _ALWAYS not in who:
+                (c,) = who
+                value[c] += self.flops[i]
+                ops[c] += events[i].alias_of is None  # (views cost nothing)
+            else:
+                always.append(i)
+        for c in cands:
+            e = events[c]
+            item = Candidate(e.func, e.index, c, self.nbytes[c], self.flops[c], value[c], ops[c])
+            (self.candidates if value[c] > 0 else self.extras).append(item)
+        self.forced = [Candidate(events[i].func, events[i].index, i, 0, self.flops[i], self.flops[i])
+                       for i in sorted(always) if self.flops[i] > 0]
+
+    def recompute_flops(self, kept: list[Candidate]) -> int:
+        """The FLOPs the recompute runs when `kept` (and the pinned outputs) are kept,
+        by the recompute plan's rules (`ac_dce.make_plan`: what backward reads, and
+        what it is made from)."""
+        import dataclasses
+        rec, stop = self.recorder, self.stop or 0
+        chosen = {c.position for c in kept}
+        events = [dataclasses.replace(e, saved=e.saved or i in chosen) for i, e in enumerate(rec.events)]
+        plan = make_plan(dataclasses.replace(rec, events=events), frozenset(), promote=False, release_saved=False)
+        skipped = {(id(f), i) for f, i in plan.placeholders + plan.inplace}
+        return sum(self.flops[i] for i in range(stop)
+                   if not events[i].saved and (id(events[i].func), events[i].index) not in skipped)
 
     def budget_bytes(self, budget_mib: float | None, fraction: float) -> int:
         if budget_mib is not None:
@@ -196,28 +291,34 @@ class BudgetChoice:
     keep: frozenset  # {(str(op), invocation index)}
     budget: int
     kept_bytes: int  # input + pinned + chosen candidates
-    recompute_flops: int  # what the recompute re-runs (force-recompute matmuls included)
-    total_flops: int  # of every op the recompute of full AC re-runs
+    recompute_flops: int  # what the recompute runs (`BlockCalibration.recompute_flops`)
+    total_flops: int  # what it runs when nothing is kept
     keep_ids: frozenset = frozenset()  # `keep` as {(id(op), index)}: what the per-op check reads
 
     def describe(self, calibration: BlockCalibration) -> str:
-        names = [f"{c.op}#{c.index}" for c in calibration.candidates if c.key in self.keep]
-        return (f"keeps {len(names)} of {len(calibration.candidates)} candidate ops "
+        everything = calibration.candidates + calibration.extras
+        names = [f"{c.op}#{c.index}" for c in everything if c.key in self.keep]
+        return (f"keeps {len(names)} of {len(everything)} packed outputs "
                 f"({self.kept_bytes / 2**20:.2f} MiB for a budget of {self.budget / 2**20:.2f} MiB, none keeps "
                 f"{calibration.none_bytes / 2**20:.2f} MiB); recomputes {self.recompute_flops / 1e9:.4f} of "
                 f"{self.total_flops / 1e9:.4f} GFLOP: {', '.join(names) or 'nothing'}")
 
 
 def choose(calibration: BlockCalibration, budget_mib: float | None, fraction: float) -> BudgetChoice:
+    """The packed outputs to keep: the knapsack over those worth FLOPs, then, in the room
+    left, those whose chains have none (most ops avoided per byte first)."""
     budget = calibration.budget_bytes(budget_mib, fraction)
     cands = calibration.candidates
     capacity = budget - calibration.input_bytes - calibration.pinned_bytes
-    picked = solve_knapsack([(c.nbytes, c.value) for c in cands], capacity)
-    total = sum(c.value for c in cands + calibration.forced)
-    kept = calibration.input_bytes + calibration.pinned_bytes + sum(cands[i].nbytes for i in picked)
-    return BudgetChoice(frozenset(cands[i].key for i in picked), budget, kept,
-                        total - sum(cands[i].value for i in picked), total,
-                        frozenset((id(cands[i].op), cands[i].index) for i in picked))
+    picked = [cands[i] for i in solve_knapsack([(c.nbytes, c.value) for c in cands], capacity)]
+    room = capacity - sum(c.nbytes for c in picked)
+    for c in sorted(calibration.extras, key=lambda c: (-c.ops / max(c.nbytes, 1), c.position)):
+        if c.nbytes <= room:
+            picked.append(c)
+            room -= c.nbytes
+    kept = calibration.input_bytes + calibration.pinned_bytes + sum(c.nbytes for c in picked)
+    return BudgetChoice(frozenset(c.key for c in picked), budget, kept, calibration.recompute_flops(picked),
+                        calibration.recompute_flops([]), frozenset((id(c.op), c.index) for c in picked))
 
 
 # ---------------------------------------------------------------------------
@@ -225,14 +326,15 @@ def choose(calibration: BlockCalibration, budget_mib: float | None, fraction: fl
 # ---------------------------------------------------------------------------
 
 class BudgetSAC(OpSAC):
-    """mode = "budget": eager memory-budget SAC. Each block keeps the set of op outputs
-    that avoids the most recompute FLOPs within `budget_mib` (or `budget_fraction` of
-    what `none` keeps), chosen by `solve_knapsack` from a measurement of the first call of
+    """mode = "budget": eager memory-budget SAC. Each block keeps the set of packed
+    outputs that avoids the most recompute FLOPs within `budget_mib` (or `budget_fraction`
+    of what `none` keeps), chosen by `choose` from a measurement of the first call of
     each kind of block (that call runs as full AC). Ops `OpSAC` always saves that have no
     FLOPs (collectives, routing, device-to-host copies, the spec's and plan's ops) are
-    kept whatever the budget, and charged to it first; force-recompute matmuls stay
-    recomputed; everything else is recomputed. `choices` / `calibrations` (by block
-    kind) hold what was chosen and measured."""
+    kept whatever the budget, and charged to it first; force-recompute matmuls' outputs
+    are never kept (the recompute plan skips them when what they feed is kept); the
+    recompute plan skips every op only kept outputs need. `choices` / `calibrations` (by
+    block kind) hold what was chosen and measured."""
 
     mode = "budget"
     cache_decisions = False  # decisions depend on each op's invocation index

@@ -18,24 +18,32 @@ by storage and view) this module works out, once per block:
   storage to the op that made it, through its arguments, stopping at kept storages. Views
   are not steps: every argument is rebuilt with `as_strided` on its storage;
 
-and the recompute context, entered by torch's recompute function, runs the steps under
-no_grad, hands every pack to the checkpoint's recompute pack hook in order, and stops the
-recompute (`_StopRecomputationError`, as torch's early stop does) before the block's own
-forward runs. Not built (the replay's dispatch-mode recompute runs instead) when a step
-would be a random, in-place, non-aten or multi-output-with-subclass op, reads a storage
-written in place, or a needed storage is neither made in the block nor packed; nor under
-autocast. If the forward's packs differ from the replay's, the recompute runs the block's
-forward with no mode at all (as `full`, exact).
+and the forward context (`_DirectCall`) takes the packs itself: its saved-tensor hooks are
+the innermost, so the checkpoint's frame sees none and never recomputes. The other packs
+are dropped when the forward ends (a block's non-kept packs live until then, one block at
+a time); the first unpack that needs one runs the steps under no_grad and refills them
+all. torch's per-pack bookkeeping and recompute set-up (holders, metadata checks, the RNG
+restore, the early-stop exception) cost more than a small recompute on the CPU (budget with
+no limit, which recomputes nothing, cost +10.6% over `none` through them; see
+docs/performance.md). Not built (the replay's dispatch-mode recompute runs instead) when a
+step would draw random numbers, be non-aten or multi-output-with-subclass, or be in-place on
+anything but a storage made in the block that only in-place ops wrote (RMSNorm's `add_` of
+eps runs as a step after the `mean` it writes), or a needed storage is neither made in the
+block nor packed;
+nor under autocast. If the forward's packs differ from the replay's, the call drops
+nothing: it keeps what `none` keeps (exact), and the block goes back to the mode path.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from parallelisms.ac_dce import PACK_LISTENERS, CallRecorder, Ref, pack_matches
+from parallelisms.ac_dce import CallRecorder, Ref, pack_matches
+from parallelisms.ac_ops import draws_random
 
 
 @dataclass
@@ -51,9 +59,9 @@ class Direct:
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute context) for `checkpoint(context_fn=...)`;
-        `listeners` get the kept tensors of SAC's kept outputs (`ac_sac.SAC_CACHE_LISTENERS`)."""
-        recompute = _DirectRecompute(self)
-        return _KeepPacks(self, recompute, listeners, on_mismatch), recompute
+        `listeners` get the kept tensors of SAC's kept outputs (`ac_sac.SAC_CACHE_LISTENERS`).
+        The checkpoint never recomputes: its frame is handed no pack (`_DirectCall`)."""
+        return _DirectCall(self, listeners, on_mismatch), contextlib.nullcontext()
 
 
 def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | None:
@@ -82,6 +90,7 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
         if keep[j]:
             sources.setdefault(r.key, j)
             dtypes.setdefault(r.key, r.dtype)
+    writers = _inplace_writers(rec)
     needed: set = set()
     todo = [r for j, r in enumerate(rec.pack_refs) if not keep[j]]
     seen: set = set()
@@ -93,22 +102,28 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
             continue
         seen.add(ref.key)
         i = made.get(ref.key)
-        if i is None or ref.key in rec.written:
-            return None  # from outside the block and never packed, or written in place
-        event = rec.events[i]
-        func = event.func
-        if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") or func._schema.is_mutable \
-                or torch.Tag.nondeterministic_seeded in func.tags:
-            return None
-        (leaves, _), outs = rec.calls[i]
-        if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
-            return None
-        for k, dt in outs:
-            dtypes.setdefault(k, dt)
+        if i is None:
+            return None  # from outside the block and never packed
+        steps = [i]
+        if ref.key in rec.written:  # only by in-place ops on it (RMSNorm's `add_` of eps): they are steps too
+            steps += writers.get(ref.key) or [None]
+        for i in steps:
+            if i is None:
+                return None
+            func = rec.events[i].func
+            (leaves, spec), outs = rec.calls[i]
+            if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") \
+                    or (func._schema.is_mutable and not rec.events[i].inplace_skip) \
+                    or draws_random(func, *tree_unflatten(leaves, spec)):
+                return None
+            if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
+                return None
+            for k, dt in outs:
+                dtypes.setdefault(k, dt)
+            needed.add(i)
+            todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
         if dtypes[ref.key] != ref.dtype:
             return None
-        needed.add(i)
-        todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
     steps = []
     for i in sorted(needed):
         (leaves, spec), outs = rec.calls[i]
@@ -117,71 +132,106 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
     return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas)
 
 
-class _KeepPacks:
-    """The forward context of a direct call: checks each pack against the replay's, keeps
-    the packs marked `keep` (detached aliases: the same memory) for the recompute."""
+def _inplace_writers(rec: CallRecorder) -> dict:
+    """storage -> the in-place ops that wrote it (event indices), for the storages made in the
+    block that only such ops wrote: an aten op returning its first argument, on a plain
+    tensor (`_Event.inplace_skip`). Run as steps, in forward order, on the fresh tensor the
+    steps made, they write what the forward wrote. A storage any other mutable op read or
+    wrote is left out."""
+    writers: dict = {}
+    other: set = set()
+    for i, e in enumerate(rec.events):
+        schema = getattr(e.func, "_schema", None)
+        if schema is not None and not schema.is_mutable:
+            continue
+        (leaves, _), outs = rec.calls[i]
+        keys = {leaf.key for leaf in leaves if type(leaf) is Ref}
+        if e.inplace_skip and len(outs) == 1 and outs[0][0] is not None and None not in leaves:
+            writers.setdefault(outs[0][0], []).append(i)
+            keys.discard(outs[0][0])
+        elif None in leaves or schema is None:
+            return {}  # (a subclass or an op without a schema: which storage it wrote is not known)
+        other |= keys
+    return {k: v for k, v in writers.items() if k not in other}
 
-    __slots__ = ("direct", "recompute", "listeners", "on_mismatch", "count", "ok")
 
-    def __init__(self, direct: Direct, recompute, listeners: list, on_mismatch):
-        self.direct, self.recompute, self.listeners, self.on_mismatch = direct, recompute, listeners, on_mismatch
+class _Slot:
+    """What autograd holds for one pack of a direct call: the tensor, or None once dropped
+    (rebuilt at the first unpack that needs it), and its version when packed."""
+
+    __slots__ = ("x", "version")
+
+
+class _DirectCall:
+    """The forward context of a direct call. Its saved-tensor hooks are the innermost, so
+    autograd hands every pack of the block to them instead of to the checkpoint's (whose
+    per-pack bookkeeping, metadata check and recompute set-up, RNG restore included, cost
+    about as much as a small recompute): each pack is checked against the replay's and
+    held detached (no reference cycle through its `grad_fn`). When the forward ends with
+    every pack matched, the packs not marked `keep` are dropped; the first unpack of one
+    of them runs the steps (under no_grad: no random op is a step) and refills them all.
+    Otherwise nothing is dropped: the call keeps what `none` keeps, and the block goes back
+    to the dispatch-mode path."""
+
+    __slots__ = ("direct", "listeners", "on_mismatch", "count", "ok", "slots", "sources", "lost")
+
+    def __init__(self, direct: Direct, listeners: list, on_mismatch):
+        self.direct, self.listeners, self.on_mismatch = direct, listeners, on_mismatch
 
     def __enter__(self):
-        self.count, self.ok = 0, True
-        self.recompute.kept = {}
-        PACK_LISTENERS.append(self.on_pack)
+        self.count, self.ok, self.slots, self.sources, self.lost = 0, True, [], None, None
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         return self
 
-    def on_pack(self, x: torch.Tensor) -> None:
-        j = pack_matches(self, self.direct.metas, x)
-        if j is None:
-            return
-        if self.direct.keep[j]:
-            self.recompute.kept[j] = x.detach()
+    def pack(self, x: torch.Tensor) -> _Slot:
+        pack_matches(self, self.direct.metas, x)
+        slot = _Slot()
+        slot.x, slot.version = x.detach(), x._version
+        self.slots.append(slot)
+        return slot
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        x = slot.x
+        if x is None:
+            self._rebuild()
+            return slot.x
+        if x._version != slot.version:  # (what autograd raises without hooks; a rebuilt pack is new)
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: a tensor of shape {list(x.shape)} saved in an activation-"
+                               f"checkpointed block is at version {x._version}; expected version {slot.version}")
+        return x
 
     def __exit__(self, exc_type, *exc):
-        PACK_LISTENERS.remove(self.on_pack)
-        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
-            self.recompute.kept = None  # another op sequence: the block's forward runs again, as full AC
-            self.on_mismatch()
-        elif exc_type is None and self.listeners:
-            cached = [x for j, x in self.recompute.kept.items() if self.direct.cached[j]]
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        slots, self.slots = self.slots, None
+        if exc_type is not None:
+            return False
+        direct = self.direct
+        if not self.ok or self.count != len(direct.metas):
+            self.on_mismatch()  # another op sequence: this call keeps every pack, exact
+            return False
+        self.sources = {key: slots[j] for key, j in direct.sources.items()}
+        self.lost = [(slots[j], r) for j, (keep, r) in enumerate(zip(direct.keep, direct.packs)) if not keep]
+        for slot, _ in self.lost:
+            slot.x = None
+        if not self.lost:
+            self.sources = self.lost = None  # nothing to rebuild
+        if self.listeners:
+            cached = [slot.x for slot, is_cached in zip(slots, direct.cached) if is_cached]
             for listener in self.listeners:
                 listener.add(cached, "sac_cache")
         return False
 
-
-class _DirectRecompute:
-    """The recompute context: runs the steps, feeds every pack to the checkpoint's recompute
-    pack hook, and stops the recompute before the block's forward runs."""
-
-    __slots__ = ("direct", "kept")
-
-    def __init__(self, direct: Direct):
-        self.direct, self.kept = direct, None
-
-    def __enter__(self):
-        from torch.utils.checkpoint import _StopRecomputationError
-        kept = self.kept
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if kept is None or hooks is None:
-            return self  # the block's forward runs as it is (no mode: every op)
-        direct = self.direct
-        bases = {key: kept[j] for key, j in direct.sources.items()}
+    def _rebuild(self) -> None:
+        bases = {key: slot.x for key, slot in self.sources.items()}
         with torch.no_grad():
-            for func, leaves, spec, outs in direct.steps:
-                args, kwargs = tree_unflatten(
-                    [bases[x.key].as_strided(x.size, x.stride, x.offset) if type(x) is Ref else x for x in leaves], spec)
+            for func, leaves, spec, outs in self.direct.steps:
+                args, kwargs = tree_unflatten([bases[x.key].as_strided(x.size, x.stride, x.offset)
+                                               if type(x) is Ref else x for x in leaves], spec)
                 out = func(*args, **kwargs)
                 for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
                     bases.setdefault(key, t)
-            packs = [kept[j] if keep else bases[r.key].as_strided(r.size, r.stride, r.offset)
-                     for j, (keep, r) in enumerate(zip(direct.keep, direct.packs))]
-        self.kept = None
-        pack = hooks[0]
-        for x in packs:
-            pack(x)  # (the last raises _StopRecomputationError when torch's early stop is on)
-        raise _StopRecomputationError
-
-    def __exit__(self, *exc):
-        return False
+            for slot, r in self.lost:
+                x = slot.x = bases[r.key].as_strided(r.size, r.stride, r.offset)
+                slot.version = x._version
+        self.sources = self.lost = None  # (the slots autograd holds keep what they need)

@@ -235,3 +235,19 @@ def op_flops(func, args, kwargs, out) -> int:
     from torch.utils._pytree import tree_map
     args, kwargs, out = tree_map(_local, (args, kwargs or {}, out))
     return int(formula(*args, out_val=out, **kwargs))
+
+
+def draws_random(func, args, kwargs) -> bool:
+    """Whether one call of `func` draws from the RNG: a `nondeterministic_seeded` op,
+    unless its `dropout_p` argument is 0 (attention without dropout is deterministic,
+    yet tagged for the argument)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    p = kwargs.get("dropout_p") if kwargs and "dropout_p" in kwargs else \
+        args[position] if position < len(args) else schema.arguments[position].default_value
+    return not (isinstance(p, (int, float)) and p == 0)

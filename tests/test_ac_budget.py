@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from parallelisms.ac_budget import BudgetSAC, solve_knapsack
 from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes
 from parallelisms.ac_trace import reset_ac_trace
-from parallelisms.activation_checkpoint import ActivationCheckpointConfig, policy_for
-from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _tiny_deepseek
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing, policy_for
+from tests.test_activation_checkpoint import _assert_bitwise, _llama, _tiny_deepseek, _train
 from trainer.config import load_config
 from configuration.fields import ConfigError
 
@@ -110,22 +110,31 @@ def test_budget_fits_and_is_within_5_percent_of_brute_force(which):
         budget = int(fraction * none_bytes)
         assert choice.budget == budget
         exclude = list(block.parameters()) + list(block.buffers()) + [rope]
-        # (The flop counter's module hooks add view ops: it must see both passes.)
-        with SavedActivationCounter(exclude) as counter, flop_counter():
+        # Call 2 records the recompute plan, call 3 applies it (with the dispatch modes), call 4
+        # runs the fast paths when the kept outputs are all packed (ac_replay, ac_direct): calls 3
+        # and 4 keep and recompute the same. (The flop counter's module hooks add view ops: it must
+        # see every pass, or the op counts differ from the recorded call's and the plan is dropped.)
+        with flop_counter():
             out = checkpoint(block, x, rope, use_reentrant=False, **ckpt)
-        with flop_counter() as bwd:
             out.backward(torch.ones_like(out))
+        for _ in range(2):
+            with SavedActivationCounter(exclude) as counter, flop_counter():
+                out = checkpoint(block, x, rope, use_reentrant=False, **ckpt)
+            with flop_counter() as bwd:
+                out.backward(torch.ones_like(out))
+            recompute = bwd.get_total_flops() - none_bwd
+            assert counter.total_bytes == choice.kept_bytes
+            assert recompute == choice.recompute_flops
         x.grad = None
-        recompute = bwd.get_total_flops() - none_bwd
         floor = calib.input_bytes + calib.pinned_bytes
-        assert counter.total_bytes == choice.kept_bytes
-        assert recompute == choice.recompute_flops
         if budget < floor:  # nothing can be kept beyond what every choice keeps
             assert choice.keep == frozenset()
             continue
         assert counter.total_bytes <= budget
         room = budget - floor
-        forced = sum(c.value for c in calib.forced)  # recomputed whatever is kept (the router gate)
+        # Run whatever is kept (as the knapsack counts): ops with FLOPs in the chains of several
+        # packs (MLA's wkv_b, whose output is split into k and v).
+        forced = sum(c.value for c in calib.forced)
         assert (forced > 0) == (which == "deepseek")
         optimum = forced + min(sum(c.value for c in cands) - sum(cands[i].value for i in s)
                       for r in range(len(cands) + 1) for s in itertools.combinations(range(len(cands)), r)
@@ -138,7 +147,8 @@ def test_budget_fits_and_is_within_5_percent_of_brute_force(which):
 
 
 def test_budget_full_range_on_llama_block():
-    """budget 0 keeps what full keeps; budget infinity recomputes no FLOPs (like none)."""
+    """budget 0 keeps what full keeps; budget infinity keeps what none keeps (every pack) and,
+    once its plan applies, recomputes no FLOPs."""
     block, x, rope = _block("llama")
     full = saved_activation_bytes(block, x, rope, mode="full")
     none_bytes = saved_activation_bytes(block, x, rope, mode="none")
@@ -148,9 +158,10 @@ def test_budget_full_range_on_llama_block():
     ckpt = {**policy.checkpoint_kwargs(block, prefix="layers.1"), "preserve_rng_state": False}
     checkpoint(block, x, rope, use_reentrant=False, **ckpt)
     (choice,) = policy.choices.values()
-    assert choice.recompute_flops == 0 and full < choice.kept_bytes < none_bytes
+    assert choice.recompute_flops == 0 and full < choice.kept_bytes == none_bytes
     _, none_bwd = _backward_flops(block, x, rope, None)
-    _, bwd = _backward_flops(block, x, rope, ckpt)
+    for _ in range(3):  # records its plan, applies it, runs the fast paths
+        _, bwd = _backward_flops(block, x, rope, ckpt)
     assert bwd == none_bwd
 
 
@@ -160,11 +171,18 @@ def test_budget_mode_is_bitwise_equal_to_none(which):
     g = torch.Generator().manual_seed(3)
     vocab = base.args.vocab_size
     batches = [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
-               for _ in range(3)]
+               for _ in range(4)]
     spec = _spec(which)
-    ref = _run_mode(base, "none", batches, spec=spec)
+
+    def run(mode, **cfg):  # 4 steps: from the 4th, blocks whose kept outputs are all packed run the fast paths
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, **cfg), spec=spec)
+        torch.manual_seed(1234)
+        return _train(model, batches, steps=4)
+
+    ref = run("none")
     for cfg in ({"budget_fraction": 0.3}, {"budget_mib": 0.05}):
-        _assert_bitwise(ref, _run_mode(base, "budget", batches, spec=spec, cfg=cfg))
+        _assert_bitwise(ref, run("budget", **cfg))
 
 
 def test_budget_trace_prints_the_chosen_set(monkeypatch, caplog):
@@ -198,3 +216,56 @@ def test_budget_config():
     with pytest.raises(ValueError, match="memory_budget"):
         policy_for(dataclasses.replace(ActivationCheckpointConfig(), mode="budget"), compile_enabled=True)
     assert copy.deepcopy(cfg.activation_checkpoint).budget_mib == 64.0
+
+
+def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch):
+    """The knapsack chooses among the outputs autograd packs: q after RoPE, not wq's output
+    before it (which would spare the same matmul for the same bytes and bar the fast paths).
+    So from a block's fourth call its forward runs with no dispatch mode (ac_replay) and its
+    recompute directly (ac_direct), bitwise equal to `none`. (Blocks of one kind share the
+    measurement: block 0 measures in step 1, records in 2, applies in 3; the others record
+    in step 1.) Before, every budget block stayed on the dispatch-mode path."""
+    import parallelisms.activation_checkpoint as ac
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(4)]
+    torch.manual_seed(1234)
+    ref = _train(copy.deepcopy(base), batches, steps=4)
+    model = copy.deepcopy(base)
+    policy = ac.apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_fraction=0.5))
+    events = []
+    make_modes = ac.make_sac_modes
+    monkeypatch.setattr(ac, "make_sac_modes", lambda p: (events.append("modes"), make_modes(p))[1])
+    model.register_forward_pre_hook(lambda *_: events.append("step"))
+    torch.manual_seed(1234)
+    _assert_bitwise(ref, _train(model, batches, steps=4))
+    per_step = [chunk.count("modes") for chunk in " ".join(events).split("step")[1:]]
+    n = len(model.layers)
+    assert per_step == [n, n, 1, 0], per_step
+    (choice,) = policy.choices.values()
+    assert ("aten.add.Tensor", 0) in choice.keep and ("aten.mm.default", 0) not in choice.keep, choice.keep
+    assert all(plan.replay is not None and plan.direct is not None for plan in policy.plans.values())
+
+
+def test_budget_zero_recomputes_directly_through_rmsnorms_inplace_add():
+    """Budget 0 keeps only the block's input, so the direct recompute rebuilds RMSNorm's
+    `rsqrt` column: `mean`, then its in-place `add_` of eps, run as steps on the fresh
+    tensor. (In-place steps were refused: such blocks fell back to the dispatch-mode
+    recompute.) Bitwise equal to `none` over 4 steps, the 4th on the fast paths."""
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(4)]
+    torch.manual_seed(1234)
+    ref = _train(copy.deepcopy(base), batches, steps=4)
+    model = copy.deepcopy(base)
+    policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_mib=0.0))
+    torch.manual_seed(1234)
+    _assert_bitwise(ref, _train(model, batches, steps=4))
+    (choice,) = policy.choices.values()
+    assert choice.keep == frozenset()
+    for plan in policy.plans.values():
+        steps = [str(op) for op, *_ in plan.direct.steps]
+        assert steps.count("aten.add_.Scalar") == 2
+        assert steps.index("aten.add_.Scalar") == steps.index("aten.mean.dim") + 1  # (the first RMSNorm's)

@@ -159,31 +159,39 @@ def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_p
 
 def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_packs(recomputed,
                                                                                         forward_dispatches):
-    """From call 3 neither pass has a dispatch mode: the recompute runs b's matmul, SiLU and
-    the gate product (what backward reads that the forward did not keep) directly. Call 4
-    takes another branch: its packs differ, so the block's forward runs again in full (no
-    mode), and the next call is back on the dispatch-mode path. Bitwise every call."""
-    from parallelisms.ac_direct import _DirectRecompute
+    """From call 3 neither pass has a dispatch mode, nor torch's checkpoint bookkeeping: the
+    block's own saved-tensor hooks take the packs, drop those the forward does not keep, and
+    the first unpack that needs one runs b's matmul, SiLU and the gate product (what backward
+    reads that the forward did not keep) directly. Call 4 takes another branch: its packs
+    differ, so it drops nothing (it keeps what `none` keeps, and recomputes nothing), and the
+    next call is back on the dispatch-mode path. Bitwise every call."""
+    from parallelisms.ac_direct import _DirectCall
     torch.manual_seed(0)
     block = _Gated()
     x = torch.randn(4, 16)
     policy = OpSAC(ActivationCheckpointConfig(mode="op"))
     kwargs = policy.checkpoint_kwargs(block, prefix="m")
-    entered = collections.Counter()
-    real_enter = _DirectRecompute.__enter__
+    calls = collections.Counter()
+    real_exit, real_rebuild = _DirectCall.__exit__, _DirectCall._rebuild
 
-    def enter(self):
-        entered["direct" if self.kept is not None else "fallback"] += 1
-        return real_enter(self)
+    def exit_(self, *exc):
+        out = real_exit(self, *exc)
+        if self.lost:
+            calls["dropped"] += len(self.lost)
+        return out
 
-    _DirectRecompute.__enter__ = enter
+    def rebuild(self):
+        calls["rebuilt"] += 1
+        return real_rebuild(self)
+
+    _DirectCall.__exit__, _DirectCall._rebuild = exit_, rebuild
     try:
         for call, branch in enumerate((False, False, False, True, False), start=1):
             block.branch = branch
             ref = _grads(block, (x,))
             recomputed.clear()
             forward_dispatches.clear()
-            entered.clear()
+            calls.clear()
             _assert_equal(ref, _grads(block, (x,), kwargs))
             plan = next(iter(policy.plans.values()), None)
             if call == 2:
@@ -191,13 +199,45 @@ def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_
                                                                        "aten.mul.Tensor"]
             if call == 3:
                 assert sum(forward_dispatches.values()) == 0 and sum(recomputed.values()) == 0
-                assert entered == {"direct": 1}
+                assert calls == {"rebuilt": 1, "dropped": sum(not k for k in plan.direct.keep)} and calls["dropped"] > 0
             if call == 4:
-                assert entered == {"fallback": 1} and plan.direct is None and plan.replay is None
+                assert calls == {} and plan.direct is None and plan.replay is None
+                assert sum(forward_dispatches.values()) == 0 and sum(recomputed.values()) == 0
             if call == 5:
-                assert sum(forward_dispatches.values()) > 0 and not entered
+                assert sum(forward_dispatches.values()) > 0 and not calls
     finally:
-        _DirectRecompute.__enter__ = real_enter
+        _DirectCall.__exit__, _DirectCall._rebuild = real_exit, real_rebuild
+
+
+class _Mutating(_Gated):
+    """`_Gated` that, with `mutate`, scales a's output in place after SiLU packed it."""
+
+    mutate = False
+
+    def forward(self, x):
+        a = self.a(x)
+        h = torch.nn.functional.silu(a)
+        if self.mutate:
+            a.mul_(2)
+        return self.c(self.b(h) * h)
+
+
+def test_direct_call_keeps_autograds_inplace_check():
+    """The direct call's own hooks hold the packs, so autograd's version check is theirs to
+    keep: a pack modified in place after it was saved fails backward as it does without
+    checkpointing, instead of feeding the modified values to the gradient."""
+    torch.manual_seed(0)
+    block = _Mutating()
+    x = torch.randn(4, 16)
+    policy = OpSAC(ActivationCheckpointConfig(mode="op"))
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for _ in range(3):
+        _assert_equal(_grads(block, (x,)), _grads(block, (x,), kwargs))
+    assert next(iter(policy.plans.values())).direct is not None
+    block.mutate = True
+    for run in (None, kwargs):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _grads(block, (x,), run)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -383,7 +423,8 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
     that only a DTensor op reads (w2's rowwise matmul, through `from_local`, which
     dispatches no op). Keyed by the DTensor wrapper's own stand-in storage, that read was
     missed: the product got a Placeholder and w2's gradient was garbage from the second
-    step on (test_parallel_layouts' tp2_ac_op). Storages are now those inside a subclass."""
+    step on (test_parallel_layouts' tp2_ac_op). Storages are now those inside a subclass.
+    `budget` too, over 4 steps (it measures, records, then applies its plan)."""
     import copy
 
     import torch.distributed as dist
@@ -396,17 +437,17 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
 
     g = torch.Generator().manual_seed(4)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(2)]
+               for _ in range(4)]
     base = _llama("debug_small")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         parallelism = load_config(["--parallelism.disable_loss_parallel", "true"]).parallelism
-        runs = {}
-        for mode in ("none", "op"):
+        runs, policies = {}, {}
+        for mode in ("none", "budget", "op"):  # (op last: `recomputed` is its last step's)
             model = copy.deepcopy(base)
             parallelize_llama(model, mesh, parallelism)
-            policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
+            policies[mode] = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
             runs[mode] = []
             for inputs, target in batches:  # the first call of each block records its plan, the second applies it
                 model.zero_grad(set_to_none=True)
@@ -417,11 +458,13 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
                 runs[mode].append((loss.detach(), {_clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}))
     finally:
         dist.destroy_process_group()
-    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
-        assert torch.equal(loss_ref, loss)
-        assert all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref), \
-            [n for n in grads_ref if not torch.equal(grads_ref[n], grads[n])]
-    plans = list(policy.plans.values())
+    for mode in ("op", "budget"):
+        for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
+            assert torch.equal(loss_ref, loss), mode
+            assert all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref), \
+                (mode, [n for n in grads_ref if not torch.equal(grads_ref[n], grads[n])])
+    assert len(policies["budget"].plans) == 3
+    plans = list(policies["op"].plans.values())
     assert len(plans) == 3 and not any(p.disabled for p in plans)
     assert all(len(p.placeholders) >= 8 for p in plans)  # the plan skips ops (here: RoPE and what feeds it)
-    assert recomputed[aten.cat.default] == 0  # no RoPE rotation ran in the second step's recompute
+    assert recomputed[aten.cat.default] == 0  # no RoPE rotation ran in the last step's recompute
