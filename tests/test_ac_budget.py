@@ -218,6 +218,16 @@ def test_budget_config():
     assert copy.deepcopy(cfg.activation_checkpoint).budget_mib == 64.0
 
 
+def _four_steps_of_none(seed: int):
+    """(a fresh copy of the debug_small Llama, 4 batches, the un-checkpointed run's 4 steps on them)."""
+    base = _llama("debug_small")
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
+               for _ in range(4)]
+    torch.manual_seed(1234)
+    return copy.deepcopy(base), batches, _train(copy.deepcopy(base), batches, steps=4)
+
+
 def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch):
     """The knapsack chooses among the outputs autograd packs: q after RoPE, not wq's output
     before it (which would spare the same matmul for the same bytes and bar the fast paths).
@@ -226,13 +236,7 @@ def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch
     measurement: block 0 measures in step 1, records in 2, applies in 3; the others record
     in step 1.) Before, every budget block stayed on the dispatch-mode path."""
     import parallelisms.activation_checkpoint as ac
-    base = _llama("debug_small")
-    g = torch.Generator().manual_seed(4)
-    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(4)]
-    torch.manual_seed(1234)
-    ref = _train(copy.deepcopy(base), batches, steps=4)
-    model = copy.deepcopy(base)
+    model, batches, ref = _four_steps_of_none(seed=4)
     policy = ac.apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_fraction=0.5))
     events = []
     make_modes = ac.make_sac_modes
@@ -253,13 +257,7 @@ def test_budget_zero_recomputes_directly_through_rmsnorms_inplace_add():
     `rsqrt` column: `mean`, then its in-place `add_` of eps, run as steps on the fresh
     tensor. (In-place steps were refused: such blocks fell back to the dispatch-mode
     recompute.) Bitwise equal to `none` over 4 steps, the 4th on the fast paths."""
-    base = _llama("debug_small")
-    g = torch.Generator().manual_seed(6)
-    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(4)]
-    torch.manual_seed(1234)
-    ref = _train(copy.deepcopy(base), batches, steps=4)
-    model = copy.deepcopy(base)
+    model, batches, ref = _four_steps_of_none(seed=6)
     policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_mib=0.0))
     torch.manual_seed(1234)
     _assert_bitwise(ref, _train(model, batches, steps=4))
