@@ -26,15 +26,13 @@ def _partial_sum_to_replicate(grad: DTensor, param: DTensor) -> bool:
 
 
 @torch.no_grad()
-def settle_gradient_placements(parameters) -> int:
-    """Gives every DTensor gradient its parameter's placements; returns how many changed."""
+def settle_gradient_placements(parameters) -> None:
+    """Gives every DTensor gradient its parameter's placements."""
     batched: dict = defaultdict(list)  # mesh -> params whose Partial(sum) gradient becomes Replicate
-    changed = 0
     for p in parameters:
         g = p.grad
         if not (isinstance(p, DTensor) and isinstance(g, DTensor)) or g.placements == p.placements:
             continue
-        changed += 1
         if _partial_sum_to_replicate(g, p):
             batched[g.device_mesh].append(p)
         else:
@@ -43,6 +41,5 @@ def settle_gradient_placements(parameters) -> int:
         locals_ = [p.grad.to_local() for p in params]
         flat = torch.cat([t.reshape(-1) for t in locals_])  # [sum of numels]
         dist.all_reduce(flat, group=mesh.get_group())
-        for p, piece in zip(params, flat.split([t.numel() for t in locals_])):
-            p.grad = DTensor.from_local(piece.view_as(p.grad.to_local()), mesh, p.placements, run_check=False)
-    return changed
+        for p, local, piece in zip(params, locals_, flat.split([t.numel() for t in locals_])):
+            p.grad = DTensor.from_local(piece.view_as(local), mesh, p.placements, run_check=False)

@@ -132,7 +132,6 @@ def main(argv: list[str] | None = None) -> None:
         from trainer.distributed import exit_process
         _worker(opts, rest)
         exit_process(0)
-        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
            str(Path(__file__).resolve()), "--_worker", "--variants", opts.variants, "--rounds", str(opts.rounds),
