@@ -94,6 +94,38 @@ def _block_pass_s(model, cfg, min_time: float = 1.0) -> float:
     return 1.0 / _rate(step, 1.0, min_time=min_time) / len(model.layers)
 
 
+_WEIGHTS: dict = {}
+WEIGHT_MAX_PARAMS = 100_000_000  # larger models are not instantiated on the CPU (weight 1)
+
+
+def block_dispatch_weight(cfg) -> float:
+    """A block pass of `cfg`'s model (forward + backward at 8 tokens, one thread, per block) as a
+    multiple of the calibration's debug Llama block, both measured now, so the load cancels.
+    Why: eager dispatch counts ops and their Python, not FLOPs, and blocks differ in both (a
+    DeepSeek MoE block routes, sorts and splits: about 3x a Llama block on the debug shapes).
+    1 for a model over WEIGHT_MAX_PARAMS, which this CPU would not train (docs/planner.md)."""
+    from parallelisms.apply import build_model
+
+    key = (cfg.model_spec.name, repr(cfg.model_args))
+    if key not in _WEIGHTS:
+        n = sum(p.numel() for p in build_model(cfg.model_spec, cfg.model_args).parameters())  # on meta
+        if n > WEIGHT_MAX_PARAMS:
+            _WEIGHTS[key] = 1.0
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                torch.manual_seed(0)
+                model = build_model(cfg.model_spec, cfg.model_args)
+                model.to_empty(device="cpu")
+                model.init_weights()
+                own = _block_pass_s(model, cfg, min_time=0.5)
+                _WEIGHTS[key] = own / _block_pass_s(*_debug_llama(), min_time=0.5)
+            finally:
+                torch.set_num_threads(threads)
+    return _WEIGHTS[key]
+
+
 def measure_block_overhead() -> float:
     """Seconds of one block's forward + backward that no token count amortises: the debug
     Llama at 8 tokens, one thread (eager dispatch of every op), per block."""
@@ -121,7 +153,7 @@ def measure_dispatch_multipliers(block_s: float) -> dict[str, float]:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
         out["dtensor_dispatch_x"] = max(1.0, _block_pass_s(*_debug_llama(mesh=mesh)) / block_s)
         model, cfg = _debug_llama(mesh=mesh, fsdp=True)
-        units = len(model.layers) + 1  # one FSDP unit per block, and the root
+        units = len(model.layers) + 2  # one FSDP unit per block, the embedding, and the norm + head
         extra = (_block_pass_s(model, cfg) - block_s) * len(model.layers) / units
         out["fsdp_unit_overhead_s"] = max(0.0, extra)
     finally:
@@ -146,6 +178,23 @@ def _timed(fn, min_time: float) -> float:
     return dt.item()
 
 
+def sync_point_worker(rank: int, world: int, port: int, queue) -> None:
+    """`scripts/bench_plan.py syncpoint`: the sync point of a 2-rank gather among `world` processes
+    (pairs of ranks, as TP 2 groups), and the pair's latency per call."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = pairs[rank // 2]
+    tiny = torch.randn(1)
+    tiny_out = [torch.empty_like(tiny) for _ in range(2)]
+    latency = _timed(lambda: dist.all_gather(tiny_out, tiny, group=group), 0.5)
+    sync = _sync_point_s(group)
+    if rank == 0:
+        queue.put((latency, sync))
+    dist.destroy_process_group()
+
+
 def _gloo_worker(rank: int, world: int, port: int, queue, latency_only: bool) -> None:
     import torch.distributed as dist
 
@@ -165,10 +214,11 @@ def _gloo_worker(rank: int, world: int, port: int, queue, latency_only: bool) ->
     dist.destroy_process_group()
 
 
-def _sync_point_s() -> float:
+def _sync_point_s(group=None) -> float:
     """What a blocking collective costs between two steps of work beyond the two apart, as TP's
     gathers sit between its matmuls: (work + gather interleaved) - work - gather, one thread per
-    rank, a 256 KiB gather (the debug models' activation at 256 tokens). Median of 3 repeats."""
+    rank, a 256 KiB gather (the debug models' activation at 256 tokens) within `group` (default:
+    every rank). Median of 3 repeats."""
     import statistics
 
     import torch.distributed as dist
@@ -176,14 +226,14 @@ def _sync_point_s() -> float:
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     x = torch.randn(32 << 10)
-    out = torch.empty(x.numel() * dist.get_world_size())
+    out = torch.empty(x.numel() * dist.get_world_size(group))
 
     def work():
         for _ in range(8):
             a @ b
 
     def gather():
-        all_gather(out, x)
+        all_gather(out, x, group=group)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a multi-rank CPU run
@@ -197,9 +247,9 @@ def _sync_point_s() -> float:
     return max(0.0, statistics.median(extra))
 
 
-def measure_gloo(world: int = 2, latency_only: bool = False) -> tuple[float, float, float]:
+def measure_gloo(world: int = 2, latency_only: bool = False, worker=None) -> tuple:
     """(bus bandwidth in bytes/s, seconds per call, seconds per sync point) of a gloo all-gather
-    between `world` processes."""
+    between `world` processes (or what `worker(rank, world, port, queue)` puts in the queue)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -209,7 +259,8 @@ def measure_gloo(world: int = 2, latency_only: bool = False) -> tuple[float, flo
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue, latency_only)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) if worker else
+             ctx.Process(target=_gloo_worker, args=(r, world, port, queue, latency_only)) for r in range(world)]
     for p in procs:
         p.start()
     bw_latency = queue.get(timeout=120)

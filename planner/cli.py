@@ -119,7 +119,7 @@ def run(opts: dict, rest: list[str]) -> int:
         raise ConfigError(f"config error: --global-batch-tokens: {tokens} is not a multiple of the sequence length "
                           f"{seq}; use a multiple")
     t0 = time.perf_counter()
-    w = workload_of(cfg)
+    w = workload_of(cfg, hw)
     memory = MemoryModel(base_argv, hw.device, hw.gpus_per_node)
     search = Search(cfg, base_argv, w, hw, world, seq, tokens // seq, space_for(opts, hw), memory,
                     max_estimates=opts["max_estimates"])

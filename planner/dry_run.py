@@ -41,7 +41,7 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     choice = env_value("TITAN_PLAN_GPU") or "h100-sxm"
     hw = get_hardware(path=choice) if choice.endswith(".toml") else get_hardware(choice)
     plan = plan_of_config(cfg, world)
-    w = workload_of(cfg)
+    w = workload_of(cfg, hw)
     seq = cfg.training.seq_len
     esize = 4 if hw.device == "cpu" else 2
     st = predict(plan, w, hw, seq, compute_bytes=esize)

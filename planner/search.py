@@ -193,7 +193,7 @@ class Search:
         dp_shard x cp x tp with EP, over dp_shard x cp without it."""
         w = self.w
         tp_dense = plan.tp
-        dense = (sum(w.layer_dense) + sum(w.layer_norms) + w.embedding + w.head) / tp_dense
+        dense = (sum(w.layer_dense) + sum(w.layer_norms) + w.embedding + (0 if w.tied_head else w.head)) / tp_dense
         expert_ranks = plan.dp_shard * plan.cp * (plan.tp if plan.ep > 1 else 1)
         experts = sum(w.layer_experts)
         local = (dense / (plan.dp_shard * plan.cp) + experts / expert_ranks) / plan.pp

@@ -62,6 +62,7 @@ class Collective:
     seconds: float  # bytes over the link, plus calls x the per-call latency
     overlapped: bool
     calls: float = 0.0  # per rank per step
+    kind: str = ""  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
 
 
 @dataclass
@@ -158,9 +159,17 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     oversubscribed = max(1.0, plan.world / hw.cores) if hw.device == "cpu" and hw.cores else 1.0
     # per collective call: measured to grow faster than the ranks per core (--calibrate)
     latency_stretch = oversubscribed ** math.log2(eff.oversubscribed_latency_x)
+    # A sync point is a core left idle while its rank waits for a peer: with more ranks than
+    # cores another rank runs in the wait (measured: `python scripts/bench_plan.py syncpoint`).
+    sync_point = eff.sync_point_s if oversubscribed == 1.0 else 0.0
     ac_x = {"full": eff.ac_full_dispatch_x, "op": eff.ac_op_dispatch_x, "budget": eff.ac_budget_dispatch_x}
-    dispatch_x = ac_x.get(plan.ac, 1.0) * (eff.dtensor_dispatch_x if tp > 1 else 1.0)
-    fsdp_units = (L + 1) if plan.dp_shard * cp * plan.dp_replicate > 1 else 0.0
+    dispatch_x = ac_x.get(plan.ac, 1.0) * (eff.dtensor_dispatch_x if tp > 1 else 1.0) * w.block_dispatch_weight
+    fsdp = plan.dp_shard * cp
+    sharded = plan.dp_shard * cp * plan.dp_replicate > 1
+    # FSDP units (parallelisms/fsdp.py): the embedding, each block, and the final norm + head
+    # (a tied head shares the embedding's); under PP the busiest stage holds one end.
+    end_units = 1 if (pp > 1 or w.tied_head) else 2
+    fsdp_units = L + end_units if sharded else 0.0
     t_dispatch = (eff.block_overhead_s * dispatch_x * L + eff.fsdp_unit_overhead_s * fsdp_units) * n_mb * oversubscribed
 
     rm, ra, re = recompute_shares(plan)
@@ -168,46 +177,67 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
                    + re * tok * L * fwd_ew * ew_scale / hbm)
     compute = t_mm + t_attn + t_grouped + t_ew
 
-    # ---- collectives ----
+    # ---- collectives: every call the plan issues per step (tests/test_tp_comm.py counts them) ----
     colls: list[Collective] = []
 
-    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool, calls: float) -> None:
-        if group <= 1 or nbytes <= 0:
+    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool, calls: float, kind: str = "") -> None:
+        if group <= 1 or calls <= 0:
             return
         link, bw = _link(span, hw)
-        per_call = eff.collective_latency_s + (0.0 if overlapped else eff.sync_point_s)
+        per_call = eff.collective_latency_s + (0.0 if overlapped else sync_point)
         seconds = nbytes / (bw * eff.link) + calls * per_call * latency_stretch
-        colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls))
+        kind = kind or next(k for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "send/recv")
+                            if k in name).replace("-", "_").replace("/", "_")
+        colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls, kind))
 
-    stage_params = share(sum(w.layer_dense) + sum(w.layer_norms)) + w.head + w.embedding / max(1, pp)
+    head = 0 if w.tied_head else w.head
+    stage_params = (share(sum(w.layer_dense) + sum(w.layer_norms)) + head + w.other_params
+                    + w.embedding / max(1, pp))
     stage_experts = share(sum(w.layer_experts))
-    fsdp = plan.dp_shard * cp
     dense_unit = stage_params / tp  # gathered bytes per all-gather of the rank's dense params
     expert_unit = stage_experts / ep  # routed experts: split over EP; not TP-sharded
     efsdp = plan.dp_shard * cp * tp // ep if ep > 1 else fsdp
-    gathers = (1 if pp > 1 else 2) * (1 if pp > 1 else n_mb)  # PP keeps params gathered (reshard never)
     reduces = 1 if pp > 1 else n_mb
     span_fsdp = plan.dp_shard * cp * tp
     g8 = esize  # bf16 gathers (the float8 all-gather is not searched)
-    units = L + 1  # one FSDP unit per block, and the root (embedding, final norm, head)
-    add("FSDP all-gather", gathers * (dense_unit * g8 * (fsdp - 1) / fsdp), fsdp, span_fsdp, True, gathers * units)
-    add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True, reduces * units)
+    if pp > 1:  # PP keeps params gathered (reshard never): one gather per step
+        gathers, gather_calls = 1, fsdp_units
+        ungathered = 0.0
+    else:  # forward and backward, but the norm + head unit stays gathered from forward into backward
+        gathers, gather_calls = 2 * n_mb, n_mb * (2 * fsdp_units - (end_units - 1))
+        ungathered = n_mb * (head / tp + w.dim) if end_units == 2 else 0.0
+    add("FSDP all-gather", (gathers * dense_unit - ungathered) * g8 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
+        gather_calls)
+    add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
+        reduces * fsdp_units)
     if stage_experts:
         moe_units = w.moe_layers * layer_share
         add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
-            gathers * moe_units)
+            (2 * n_mb if pp == 1 else 1) * moe_units)
         add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
             reduces * moe_units)
     r = plan.dp_replicate
     if r > 1:
         shard_bytes = 4 * (dense_unit / fsdp + (expert_unit / efsdp if stage_experts else 0))
-        add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True, reduces * units)
+        add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True,
+            reduces * fsdp_units)
     act = tokens_mb / cp * w.dim * esize  # one microbatch's hidden states on a CP rank (full over TP)
     n_blocks = L
-    if tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, forward and backward
-        per = 8 + (4 if plan.ac == "full" else 2 if plan.ac in ("op", "budget") else 0)
-        add("TP/SP all-gather+reduce-scatter", n_mb * n_blocks * per * act * (tp - 1) / tp, tp, tp, False,
-            n_mb * n_blocks * per)
+    if tp > 1:  # SP: a gather before attention and the MLP, a reduce-scatter after, forward and backward;
+        # and the embedding's output and the head's input (the stage's ends under PP). A recompute
+        # gathers again (full AC stops early, before the MLP's reduce-scatter; op AC saves neither
+        # reduce-scatter)
+        recomputes = plan.ac in ("full", "op", "budget")
+        ends = n_mb * (2 if pp == 1 else 1)
+        for kind, per in (("all-gather", 4 + 2 * recomputes), ("reduce-scatter", 4 + (plan.ac == "full"))):
+            add(f"TP/SP {kind}", (n_mb * n_blocks * per + ends) * act * (tp - 1) / tp, tp, tp, False,
+                n_mb * n_blocks * per + ends)
+        # Partial gradients of the replicated weights on sequence shards (the norms): one
+        # all-reduce per step without FSDP (grad_reduce.py), one per norm weight with it (FSDP2's)
+        norm_calls = reduces * (2 * n_blocks + 1) if sharded else 1
+        # loss parallel: the vocab-sharded cross-entropy's max, sum and target logits
+        add("TP gradient and loss all-reduces", 4 * (share(sum(w.layer_norms)) + w.dim + 3 * n_mb * tokens_mb / cp),
+            tp, tp, False, norm_calls + 4 * n_mb, "all_reduce")
     if cp > 1:
         if plan.cp_method == "allgather":  # K/V gathered forward, their grads reduce-scattered backward
             kv = tokens_mb * w.kv_width / tp * esize
@@ -222,12 +252,20 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     if ep > 1 and w.moe_layers:
         moe_blocks = w.moe_layers * layer_share
         rows = tokens_mb / shard * w.top_k * w.dim * esize  # routed rows this rank sends per MoE layer
-        per = 4 + (2 if plan.ac == "full" else 0)
-        add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False, n_mb * moe_blocks * per)
+        per = 4 + (2 if plan.ac == "full" else 0)  # rows out and back, forward and backward
+        # and the forward's exchange of the split sizes (the recompute reuses them)
+        add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False,
+            n_mb * moe_blocks * (per + (2 if plan.ac == "full" else 1)))
     if pp > 1:
         sends = n_mb * plan.stages_per_rank * 2 * act / (tp if tp > 1 else 1)
         add("PP send/recv", sends, 2, plan.world, True, n_mb * plan.stages_per_rank * 2)
 
+    # Per step: the loss and flags; the global token count (data ranks); the gradient norm (one
+    # per mesh its gradients are sharded over); MoE loads for the bias update (trainer/train.py)
+    moe_sum = w.moe_layers and plan.world // pp > 1
+    norm_meshes = (fsdp > 1 or r > 1) + (tp > 1) + (ep > 1 and bool(w.moe_layers)) + (pp > 1)
+    add("step all-reduces", 8 * (4 + w.moe_layers * 64), plan.world, plan.world, False,
+        1 + (fsdp * r > 1) + norm_meshes + moe_sum, "all_reduce")
     serial = sum(c.seconds for c in colls if not c.overlapped)
     overlappable = sum(c.seconds for c in colls if c.overlapped)
     first_unit = 0.0

@@ -71,7 +71,7 @@ def predicted(argv: list[str], plan: Plan, hw, memory_models: dict):
     from trainer.config import load_config
 
     cfg = load_config(argv + plan.overrides(), world_size=plan.world)
-    st = predict(plan, workload_of(cfg), hw, cfg.training.seq_len, compute_bytes=4)
+    st = predict(plan, workload_of(cfg, hw), hw, cfg.training.seq_len, compute_bytes=4)
     mm = memory_models.setdefault(tuple(argv), MemoryModel(argv, "cpu", hw.gpus_per_node))
     return st, mm.of(plan)
 

@@ -10,7 +10,7 @@ The attention term comes from the model's own `flops_per_token` (linear in seq_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -33,11 +33,16 @@ class Workload:
     moe_layers: int
     top_k: int
     flops_per_token: callable = field(repr=False, default=None)  # model convention, for MFU
+    other_params: int = 0  # outside the blocks, embedding and head (the final norm)
+    tied_head: bool = False  # the head is the embedding's weight (counted once in total_params)
+    # A block pass's eager dispatch against the calibration's debug Llama block (CPU entries:
+    # measured per model by `workload_of(cfg, hw)`; 1 elsewhere, where dispatch is not modelled).
+    block_dispatch_weight: float = 1.0
 
     @property
     def total_params(self) -> int:
         return (sum(self.layer_dense) + sum(self.layer_experts) + sum(self.layer_norms) + self.embedding
-                + self.head)
+                + (0 if self.tied_head else self.head) + self.other_params)
 
     def matmul_flops_per_token(self, layers) -> float:
         """fwd+bwd (6 x elements) dense matmul FLOPs of the given blocks per token."""
@@ -55,12 +60,18 @@ class Workload:
 _CACHE: dict = {}
 
 
-def workload_of(cfg) -> Workload:
-    """The `Workload` of a loaded config's model (cached per model args)."""
+def workload_of(cfg, hw=None) -> Workload:
+    """The `Workload` of a loaded config's model (cached per model args). With a CPU entry `hw`
+    that models eager dispatch, its block pass is measured against the calibration block's."""
     key = (cfg.model_spec.name, repr(cfg.model_args))
     if key not in _CACHE:
         _CACHE[key] = _build(cfg)
-    return _CACHE[key]
+    w = _CACHE[key]
+    if hw is not None and hw.device == "cpu" and hw.efficiency.block_overhead_s > 0:
+        from planner.calibrate import block_dispatch_weight
+
+        w = replace(w, block_dispatch_weight=block_dispatch_weight(cfg))
+    return w
 
 
 def _build(cfg) -> Workload:
@@ -72,8 +83,10 @@ def _build(cfg) -> Workload:
     n_layers = len(model.layers)
     ids = {k: i for i, k in enumerate(model.layers.keys())}
     dense, experts, norms = [0] * n_layers, [0] * n_layers, [0] * n_layers
-    embedding = head = 0
+    embedding = head = other = 0
     ffn = 0
+    emb_module, out_module = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = emb_module is not None and out_module is not None and out_module.weight is emb_module.weight
     for name, p in model.named_parameters():
         if name.startswith("layers."):
             i = ids[name.split(".")[1]]
@@ -89,6 +102,10 @@ def _build(cfg) -> Workload:
             embedding += p.numel()
         elif name.startswith("output"):
             head += p.numel()
+        else:
+            other += p.numel()
+    if tied:  # named_parameters lists the shared weight once, under the embedding
+        head = emb_module.weight.numel()
     n_routed = getattr(args, "n_routed_experts", 0) or 0
     top_k = getattr(args, "n_activated_experts", 0) or 0
     active = [e * top_k // n_routed if n_routed else 0 for e in experts]
@@ -112,4 +129,5 @@ def _build(cfg) -> Workload:
                     layer_dense=dense, layer_experts=experts, layer_active_experts=active, layer_norms=norms,
                     embedding=embedding, head=head, attention_fwd_per_token_per_seq=attn, kv_width=kv_width,
                     qkvo_width=qkvo, n_heads=n_heads, moe_layers=sum(1 for e in experts if e), top_k=top_k,
-                    flops_per_token=lambda s, fpt=fpt, n=n_params, e=embedding: float(fpt(s, n, e)))
+                    flops_per_token=lambda s, fpt=fpt, n=n_params, e=embedding: float(fpt(s, n, e)), tied_head=tied,
+                    other_params=other)

@@ -8,6 +8,8 @@
   python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
   python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
+  python scripts/bench_plan.py syncpoint  # CPU: a 2-rank gather between matmuls with 1 and 2 ranks
+                                          # per core: its latency and sync point (step_time.py's rule)
 
 The machine is shared: search times are wall and process CPU seconds, side by side.
 """
@@ -210,6 +212,21 @@ def bench_h100() -> None:
               flush=True)
 
 
+def bench_syncpoint() -> None:
+    import os
+
+    from planner.calibrate import measure_gloo, sync_point_worker
+
+    cores = len(os.sched_getaffinity(0))
+    print("| processes | per core | pair all-gather latency us | sync point us (gather between matmuls, "
+          "minus the two apart) |\n|---|---|---|---|")
+    for _ in range(2):  # interleaved rounds: the machine is shared
+        for world in (cores, 2 * cores):
+            world += world % 2
+            latency, sync = measure_gloo(world, worker=sync_point_worker)
+            print(f"| {world} | {world / cores:g} | {latency * 1e6:.0f} | {sync * 1e6:.0f} |", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "search"
     if what == "search":
@@ -218,6 +235,8 @@ if __name__ == "__main__":
         bench_fastpath_whole() if "--whole" in sys.argv[2:] else bench_fastpath()
     elif what == "h100":
         bench_h100()
+    elif what == "syncpoint":
+        bench_syncpoint()
     elif what == "validate":
         from planner.validate import main as validate_main
 
