@@ -239,16 +239,17 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         add("TP gradient and loss all-reduces", 4 * (share(sum(w.layer_norms)) + w.dim + 3 * n_mb * tokens_mb / cp),
             tp, tp, False, norm_calls + 4 * n_mb, "all_reduce")
     if cp > 1:
-        if plan.cp_method == "allgather":  # K/V gathered forward, their grads reduce-scattered backward
+        full = plan.ac == "full"  # op AC saves CP's collectives (CP_SAVE_OPS); full re-runs them
+        if plan.cp_method == "allgather":  # K and V in one gather forward, their grads reduce-scattered backward
             kv = tokens_mb * w.kv_width / tp * esize
-            per = 3 + (1 if plan.ac == "full" else 0)
-            add("CP K/V all-gather", n_mb * n_blocks * per * kv * (cp - 1) / cp, cp, cp * tp, False,
-                n_mb * n_blocks * per)
-        else:  # Ulysses: q, k, v in and the output back, forward and backward
+            add("CP K/V all-gather", n_mb * n_blocks * (1 + full) * kv * (cp - 1) / cp, cp, cp * tp, False,
+                n_mb * n_blocks * (1 + full))
+            add("CP K/V reduce-scatter", n_mb * n_blocks * kv * (cp - 1) / cp, cp, cp * tp, False, n_mb * n_blocks)
+        else:  # Ulysses: q, k, v in (one all-to-all) and the output back, forward and backward
             qkvo = tokens_mb / cp * w.qkvo_width / tp * esize
-            per = 2 + (1 if plan.ac == "full" else 0)
+            per = 2 + full
             add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False,
-                n_mb * n_blocks * per * 4)  # q, k, v and the output each have their own all-to-all
+                n_mb * n_blocks * per * 2)
     if ep > 1 and w.moe_layers:
         moe_blocks = w.moe_layers * layer_share
         rows = tokens_mb / shard * w.top_k * w.dim * esize  # routed rows this rank sends per MoE layer

@@ -38,6 +38,11 @@ CASES = {  # TP 2 (the first four: every model family), then the planner's other
                          "--activation_checkpoint.mode", "op"],
     "llama3_fsdp2": ["--config", "llama_debug.toml", *FSDP2],
     "deepseek_v3_ep2": ["--config", "deepseek_debug.toml", *FSDP2, "--parallelism.expert_parallel_degree", "2"],
+    "llama3_cp2_allgather_ac_full": ["--config", "llama_debug.toml", "--model.flavor", "debug_small",
+                                     "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+    "llama3_cp2_alltoall": ["--config", "llama_debug.toml", "--model.flavor", "debug_small",
+                            "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method",
+                            "alltoall"],
     "deepseek_v3_ep2_ac_full": ["--config", "deepseek_debug.toml", *FSDP2, "--parallelism.expert_parallel_degree", "2",
                                 "--activation_checkpoint.mode", "full"],
 }
@@ -76,7 +81,8 @@ def test_every_gradient_ends_the_step_with_its_parameters_placements(tp_steps):
 
 KINDS = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_":
          "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter", "allreduce_": "all_reduce",
-         "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+         "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "cp_all_gather": "all_gather",
+         "cp_reduce_scatter": "reduce_scatter", "cp_all_to_all": "all_to_all"}
 
 
 def _kinds(counts: dict) -> dict:

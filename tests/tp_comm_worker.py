@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 -m tests.tp_comm_worker CASES.json OUT_DIR
 
 Each case runs one `Trainer.train_step` under DTensor's CommDebugMode and writes, from rank 0,
-the count of every collective and the parameters whose gradient placements differ from their
+the count of every collective (CP's custom ops as cp_<kind>) and the parameters whose gradient placements differ from their
 own after the step (parallelisms/grad_reduce.py settles them)."""
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ def run_case(case: dict, out: Path) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from parallelisms.context_parallel_comm import comm_recorder
     from trainer.config import load_config
     from trainer.train import Trainer
 
     trainer = Trainer(load_config(case["args"]))
     try:
         batches = trainer.next_microbatches()
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm, comm_recorder() as cp:  # CP's collectives are custom ops
             trainer.train_step(batches, with_metrics=False)
         unsettled = [name for part in trainer.model_parts for name, p in part.named_parameters()
                      if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements]
         counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        for name, *_ in cp.calls:
+            counts[f"cp_{name}"] = counts.get(f"cp_{name}", 0) + 1
     finally:
         trainer.close(destroy_process_group=False)
     if dist.get_rank() == 0:
