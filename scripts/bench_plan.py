@@ -6,7 +6,7 @@
   python scripts/bench_plan.py fastpath [--whole]   # 671B: the planner's cached estimates vs the
                                           # full estimator (--whole: every estimate of the 1,024-GPU search)
   python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
-  python scripts/bench_plan.py validate [--quick]   # CPU: predicted vs measured step time and memory
+  python scripts/bench_plan.py validate [--quick] [--rounds N]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
   python scripts/bench_plan.py syncpoint  # CPU: a 2-rank gather between matmuls with 1 and 2 ranks
                                           # per core: its latency and sync point (step_time.py's rule)
