@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.helpers import REPO, TINY, run_in_process  # noqa: E402
-from tests.test_hf_models import (add_hf_mtp_layers, build_hf_deepseek, build_hf_llama, hf_logits,  # noqa: E402
+from tests.hf_builders import (add_hf_mtp_layers, build_hf_deepseek, build_hf_llama, hf_logits,  # noqa: E402
                                   load_hf_model, tokens_for)
 from trainer.hf_io import HFReader  # noqa: E402
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,7 @@ LOSS_TOL = 1e-5
 def hf_folders(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from tests.test_hf_models import add_hf_mtp_layers, build_hf_deepseek, build_hf_llama
+    from tests.hf_builders import add_hf_mtp_layers, build_hf_deepseek, build_hf_llama
 
     root = tmp_path_factory.mktemp("hf_train")
     llama = build_hf_llama(root / "llama", vocab=VOCAB, layers=3, tokenizer=True)
@@ -99,7 +98,7 @@ def _first_global_batch(folder: Path) -> torch.Tensor:
 
 
 def _hf_loss(folder: Path) -> float:
-    from tests.test_hf_models import load_hf_model
+    from tests.hf_builders import load_hf_model
 
     window = _first_global_batch(folder)
     with torch.no_grad():
@@ -249,7 +248,7 @@ def test_sharded_region_reads(hf_folders, tmp_path):
     """FSDP 2 x TP 2 (Llama: FSDP over TP is `_StridedShard`; DeepSeek with MTP under SP) and
     an FP8 block-quantized DeepSeek folder under FSDP 2 x TP 2: region reads are exact."""
     from tests.helpers import torchrun
-    from tests.test_hf_models import quantize_hf_folder_fp8
+    from tests.hf_builders import quantize_hf_folder_fp8
 
     fp8, twin = quantize_hf_folder_fp8(hf_folders["deepseek"], tmp_path / "fp8", block=(32, 24))
     common = ["--training.seq_len", str(SEQ), "--training.local_batch_size", "2", "--job.dump_folder",

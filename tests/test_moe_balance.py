@@ -33,7 +33,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def ds_folder(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tests.test_hf_models import build_hf_deepseek
+    from tests.hf_builders import build_hf_deepseek
 
     return build_hf_deepseek(tmp_path_factory.mktemp("moe_balance") / "ds", vocab=2048, tokenizer=True)
 

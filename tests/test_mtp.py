@@ -95,7 +95,7 @@ LAYOUTS = {
 @pytest.mark.timeout(600)
 def test_mtp_training_is_layout_invariant(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_hf_models import add_hf_mtp_layers, build_hf_deepseek
+    from tests.hf_builders import add_hf_mtp_layers, build_hf_deepseek
     from tests.test_moe_balance import _grads, _max_diff, layout_grads
 
     folder = add_hf_mtp_layers(build_hf_deepseek(tmp_path / "ds", vocab=2048, tokenizer=True))

@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 
 from models import get_model_spec  # noqa: E402
 from models.hf_config import HFConfigError, model_from_hf_folder  # noqa: E402
-from tests.test_hf_models import hf_logits, our_model_from_hf, save_random_gqa_folder, tokens_for  # noqa: E402
+from tests.hf_builders import hf_logits, our_model_from_hf, save_random_gqa_folder, tokens_for  # noqa: E402
 from trainer.hf_io import HFReader, save_hf  # noqa: E402
 
 TOL = 1e-4
