@@ -58,7 +58,21 @@ def split_stages(model: nn.Module, num_stages: int, pre_weight: float = 1.0, pos
     modules before the blocks (embedding) `pre_weight`, those after (norm + head)
     `post_weight`. Every stage gets at least one block (needs num_stages <= blocks)."""
     pre, layers, post = model_units(model)
-    n = len(layers)
+    counts = stage_block_counts(len(layers), num_stages, pre_weight, post_weight)
+    out, start = [], 0
+    for s, c in enumerate(counts):
+        names = list(layers[start:start + c])
+        start += c
+        if s == 0:
+            names = pre + names
+        if s == num_stages - 1:
+            names = names + post
+        out.append(names)
+    return out
+
+
+def stage_block_counts(n: int, num_stages: int, pre_weight: float = 1.0, post_weight: float = 1.0) -> list[int]:
+    """Blocks per stage of `split_stages` for `n` blocks (also the planner's, for the busiest rank)."""
     if num_stages > n:
         raise ValueError(f"{num_stages} stages need at least {num_stages} blocks, the model has {n}")
     total = n + pre_weight + post_weight
@@ -84,16 +98,7 @@ def split_stages(model: nn.Module, num_stages: int, pre_weight: float = 1.0, pos
                 donor = max(range(num_stages), key=lambda d: counts[d])
                 counts[donor] -= 1
                 counts[s] += 1
-    out, start = [], 0
-    for s, c in enumerate(counts):
-        names = list(layers[start:start + c])
-        start += c
-        if s == 0:
-            names = pre + names
-        if s == num_stages - 1:
-            names = names + post
-        out.append(names)
-    return out
+    return counts
 
 
 def check_split(model: nn.Module, fqns_per_stage: list[list[str]]) -> None:

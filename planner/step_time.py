@@ -99,6 +99,29 @@ class StepTime:
         return max((k for k in groups if k != "compute"), key=groups.get)
 
 
+def busiest_pp_rank(plan: Plan, w: Workload) -> tuple[list[int], bool]:
+    """The blocks of the PP rank with the most matmul work, and whether it holds the head: the
+    trainer's own split (parallelisms/pipeline.py: stages balanced with the embedding and the
+    head weighing a block each; a rank's stages looped, or V-shaped for the V schedules)."""
+    if plan.pp == 1:
+        return list(range(w.n_layers)), True
+    from parallelisms.parallel_dims import V_SCHEDULES
+    from parallelisms.pipeline import stage_block_counts, stage_ids_for_rank
+
+    stages = plan.pp * plan.stages_per_rank
+    counts = stage_block_counts(w.n_layers, stages)
+    starts = [sum(counts[:s]) for s in range(stages)]
+    best = (-1.0, [], False)
+    for rank in range(plan.pp):
+        ids = stage_ids_for_rank(rank, plan.pp, plan.stages_per_rank, plan.schedule in V_SCHEDULES)
+        blocks = [i for s in ids for i in range(starts[s], starts[s] + counts[s])]
+        head = stages - 1 in ids
+        work = sum(w.layer_dense[i] + w.layer_active_experts[i] for i in blocks) + (w.head if head else 0)
+        if work > best[0]:
+            best = (work, blocks, head)
+    return best[1], best[2]
+
+
 def _link(span: int, hw: Hardware) -> tuple[str, float]:
     if span <= hw.gpus_per_node:
         return "in-node", hw.nvlink_gbs * 1e9
@@ -121,22 +144,20 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     n_mb = plan.n_microbatches
     tokens_mb = plan.samples_per_microbatch * seq_len  # one microbatch of one data-parallel rank
     tok = n_mb * tokens_mb / shard  # this rank's share of the tokens it processes per step
-    # The busiest PP rank: an even share of the blocks (rounded up to whole stages) and the head.
-    stages = pp * plan.stages_per_rank
-    per_stage = math.ceil(w.n_layers / stages)
-    layer_share = min(1.0, per_stage * plan.stages_per_rank / w.n_layers)
-    layers = range(w.n_layers)
+    layers, holds_head = busiest_pp_rank(plan, w)
+    layer_share = len(layers) / w.n_layers
 
     def share(total: float) -> float:
         return total * layer_share
 
-    mm_flops = tok * (share(w.matmul_flops_per_token(layers)) + 6.0 * w.head)
-    attn_flops = tok * share(w.attention_flops_per_token(layers, seq_len))
-    grouped_flops = tok * share(w.grouped_flops_per_token(layers))
+    head_mm = w.head if holds_head else 0
+    mm_flops = tok * (w.matmul_flops_per_token(layers) + 6.0 * head_mm)
+    attn_flops = tok * w.attention_flops_per_token(layers, seq_len)
+    grouped_flops = tok * w.grouped_flops_per_token(layers)
     fp8_ok = plan.float8 and hw.fp8_tflops > 0
     mm_peak = (hw.fp8_tflops if fp8_ok else hw.bf16_tflops) * 1e12 * (peak / (hw.bf16_tflops * 1e12))
-    head_s = tok * 6.0 * w.head / (peak * eff.matmul)
-    t_mm = (mm_flops - tok * 6.0 * w.head) / (mm_peak * (eff.float8_matmul if fp8_ok else eff.matmul)) + head_s
+    head_s = tok * 6.0 * head_mm / (peak * eff.matmul)
+    t_mm = (mm_flops - tok * 6.0 * head_mm) / (mm_peak * (eff.float8_matmul if fp8_ok else eff.matmul)) + head_s
     t_attn = attn_flops / (peak * eff.attention)
     t_grouped = grouped_flops / (peak * eff.grouped_gemm)
 
@@ -146,7 +167,7 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     fwd_ew = esize * (4 * w.dim + 6 * w.dim + 2 * w.qkvo_width // 2 + 3 * w.ffn_hidden)
     ew_bytes = tok * L * 3 * fwd_ew
     loss_shards = tp if tp > 1 else 1
-    ew_bytes += n_mb * tokens_mb / cp * w.vocab * 4 * 6 / loss_shards  # fp32 logits: softmax fwd+bwd
+    ew_bytes += holds_head * n_mb * tokens_mb / cp * w.vocab * 4 * 6 / loss_shards  # fp32 logits: softmax fwd+bwd
     if fp8_ok:  # dynamic scaling: amax + cast of every linear's inputs (fwd) and output grads (bwd)
         ew_bytes += tok * L * 9 * (6 * w.dim + w.ffn_hidden)
     ew_scale = eff.compile_elementwise if plan.compile else 1.0

@@ -261,3 +261,22 @@ def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch)
         for capacity in (w.total - 1, w.total):
             mem, total = fresh.fit(plan, capacity)
             assert (mem is not None) == (w.total <= capacity) and total <= w.total
+
+
+def test_the_busiest_pipeline_rank_follows_the_trainers_split():
+    """6 blocks in 4 stages split [1, 2, 2, 1] (the ends weigh a block each): looped over 2 ranks,
+    rank 1 holds stages 1 and 3, blocks 1, 2 and 5 and the head; rounding each stage up to 2
+    blocks had counted 4. V-shaped (ZBV), rank 0 holds stages 0 and 3 (blocks 0 and 5, the head),
+    rank 1 stages 1 and 2: four blocks, the busier."""
+    from planner.layout import Plan
+    from planner.step_time import busiest_pp_rank
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    w = workload_of(load_config(["--config", "llama_debug.toml"]))
+    assert w.n_layers == 6
+    looped = Plan(2, 1, 1, pp=2, schedule="Interleaved1F1B", stages_per_rank=2, local_batch=2)
+    assert busiest_pp_rank(looped, w) == ([1, 2, 5], True)
+    v_shape = Plan(2, 1, 1, pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, local_batch=2)
+    assert busiest_pp_rank(v_shape, w) == ([1, 2, 3, 4], False)
+    assert busiest_pp_rank(Plan(2, 1, 1, pp=2, local_batch=2), w) == ([3, 4, 5], True)
