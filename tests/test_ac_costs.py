@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as PREFIX
 from torch.utils.checkpoint import CheckpointPolicy
 
 from models.llama3 import Llama3
@@ -22,9 +23,8 @@ from parallelisms.activation_checkpoint import (
 )
 from tests.helpers import seeded_llama
 
+MODES = ("none", "full", "selective", "op")  # the eager modes (memory_budget needs compile)
 aten = torch.ops.aten
-MODES = ("none", "full", "selective", "op")
-PREFIX = "_checkpoint_wrapped_module."
 
 
 # --------------------------------------------------------------------------- saved bytes
