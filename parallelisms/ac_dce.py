@@ -204,6 +204,7 @@ class CallRecorder:
     calls: list = field(default_factory=list)
     pack_refs: list = field(default_factory=list)
     written: set = field(default_factory=set)
+    out_views: list = field(default_factory=list)  # per event, (size, stride, offset) per tensor output
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
         in_keys = _storage_keys((args, kwargs), self.alive)
@@ -227,9 +228,10 @@ class CallRecorder:
             for k in out_keys:
                 if k in self.origin:
                     self.events[self.origin[k]].mutated_later = True
+        outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         self.calls.append((_template((args, kwargs)),
-                           [(x.untyped_storage()._cdata, x.dtype) if plain_data(x) else (None, None)
-                            for x in tree_leaves(out) if isinstance(x, torch.Tensor)]))
+                           [(x.untyped_storage()._cdata, x.dtype) if plain_data(x) else (None, None) for x in outs]))
+        self.out_views.append([(x.size(), x.stride(), x.storage_offset()) if plain_data(x) else None for x in outs])
         for k in out_keys:
             producer[k] = i
             if not mutable and not is_view:

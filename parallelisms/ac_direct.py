@@ -53,9 +53,10 @@ class Direct:
     keep: list  # per pack: True if the forward keeps it as it is
     cached: list  # per pack: kept because SAC keeps its storage (what the byte counters see)
     sources: dict  # storage -> the first kept pack on it (the base of its Refs)
-    steps: list  # (op, argument leaves with Refs, spec, output storages) in forward order
+    steps: list  # `_step`s, in forward order
     packs: list  # per pack: its Ref
     metas: list  # per pack: (shape, dtype, type of grad_fn), as the replay's
+    lost: list  # per pack not kept: (its index, storage, view or None: the rebuilt tensor itself)
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute context) for `checkpoint(context_fn=...)`;
@@ -124,12 +125,36 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
             todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
         if dtypes[ref.key] != ref.dtype:
             return None
+    # What `_rebuild` will hold per storage (the first tensor on it), to pass that tensor as it
+    # is where an argument or a pack is exactly it, instead of an `as_strided` view of it.
+    base_view = {key: _view(rec.pack_refs[j]) for key, j in sources.items()}
     steps = []
     for i in sorted(needed):
         (leaves, spec), outs = rec.calls[i]
-        steps.append((rec.events[i].func, leaves, spec, tuple(k for k, _ in outs)))
+        steps.append(_step(rec.events[i].func, leaves, spec, tuple(k for k, _ in outs), base_view))
+        for (key, _), view in zip(outs, rec.out_views[i]):
+            base_view.setdefault(key, view)
+    lost = [(j, r.key, None if _view(r) == base_view[r.key] else _view(r))
+            for j, r in enumerate(rec.pack_refs) if not keep[j]]
     cached = [r.key in kept_keys for r in rec.pack_refs]
-    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas)
+    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas, lost)
+
+
+def _view(ref: Ref) -> tuple:
+    return ref.size, ref.stride, ref.offset
+
+
+def _step(func, leaves: list, spec, outs: tuple, base_view: dict) -> tuple:
+    """(op, arguments, [(position, storage, view or None: the held tensor itself)], kwargs,
+    spec or None, output storages). Tensors only among the positional arguments (most aten
+    ops): `args` are those arguments; else `args` are the flat leaves and `spec` rebuilds them."""
+    args, kwargs = tree_unflatten(leaves, spec)
+    flat = not any(type(x) is Ref for x in tree_leaves(kwargs)) and \
+        sum(type(a) is Ref for a in args) == sum(type(x) is Ref for x in leaves)
+    items = list(args) if flat else list(leaves)
+    refs = tuple((pos, x.key, None if _view(x) == base_view.get(x.key) else _view(x))
+                 for pos, x in enumerate(items) if type(x) is Ref)
+    return func, items, refs, (kwargs if flat else {}), (None if flat else spec), outs
 
 
 def _inplace_writers(rec: CallRecorder) -> dict:
@@ -211,8 +236,8 @@ class _DirectCall:
             self.on_mismatch()  # another op sequence: this call keeps every pack, exact
             return False
         self.sources = {key: slots[j] for key, j in direct.sources.items()}
-        self.lost = [(slots[j], r) for j, (keep, r) in enumerate(zip(direct.keep, direct.packs)) if not keep]
-        for slot, _ in self.lost:
+        self.lost = [(slots[j], key, view) for j, key, view in direct.lost]
+        for slot, _, _ in self.lost:
             slot.x = None
         if not self.lost:
             self.sources = self.lost = None  # nothing to rebuild
@@ -225,13 +250,22 @@ class _DirectCall:
     def _rebuild(self) -> None:
         bases = {key: slot.x for key, slot in self.sources.items()}
         with torch.no_grad():
-            for func, leaves, spec, outs in self.direct.steps:
-                args, kwargs = tree_unflatten([bases[x.key].as_strided(x.size, x.stride, x.offset)
-                                               if type(x) is Ref else x for x in leaves], spec)
-                out = func(*args, **kwargs)
+            for func, items, refs, kwargs, spec, outs in self.direct.steps:
+                items = list(items)
+                for pos, key, view in refs:
+                    items[pos] = bases[key] if view is None else bases[key].as_strided(*view)
+                if spec is None:
+                    out = func(*items, **kwargs) if kwargs else func(*items)
+                else:
+                    args, kwargs = tree_unflatten(items, spec)
+                    out = func(*args, **kwargs)
+                if type(out) is torch.Tensor:
+                    if outs[0] not in bases:
+                        bases[outs[0]] = out
+                    continue
                 for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
                     bases.setdefault(key, t)
-            for slot, r in self.lost:
-                x = slot.x = bases[r.key].as_strided(r.size, r.stride, r.offset)
+            for slot, key, view in self.lost:
+                x = slot.x = bases[key] if view is None else bases[key].as_strided(*view)
                 slot.version = x._version
         self.sources = self.lost = None  # (the slots autograd holds keep what they need)

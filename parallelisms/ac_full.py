@@ -15,10 +15,11 @@ that machinery cost about 8.5 points of step time beyond the recomputed FLOPs, a
 - from call 3, `FullCall` takes every pack with its own saved-tensor hooks, drops all but
   those when the forward ends, and the first unpack runs the recorded aten ops that rebuild
   them, under no_grad, with no module code;
-- every pack is also handed to the checkpoint's own pack hook (a holder, no tensor). If a
-  call's packs differ from the recorded ones, that call's unpacks go to torch's checkpoint,
-  which re-runs the block as before: exact, and no more memory than torch's `full` (the
-  direct path of `op` keeps every pack then). The block stays on torch's checkpoint after.
+- if a call's packs differ from the recorded ones, they are handed to the checkpoint's own
+  pack hook when its forward ends (holders, no tensors), and its backward goes to torch's
+  checkpoint, which re-runs the block as before: exact, and no more memory than torch's
+  `full` (the direct path of `op` keeps every pack then). The block stays on torch's
+  checkpoint after.
 
 torch's checkpoint runs (from the first call) under compile, and from call 3 where the direct
 recompute is not built: a step that draws random numbers, is not aten (collectives: EP, CP),
@@ -35,7 +36,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as P
 from torch.utils.checkpoint import noop_context_fn
 
-from parallelisms.ac_dce import CallRecorder, pack_matches
+from parallelisms.ac_dce import CallRecorder
 from parallelisms.ac_direct import Direct, _DirectCall
 from parallelisms.ac_modes import make_sac_modes
 from parallelisms.ac_sac import SAC_CACHE_LISTENERS, OpSACPolicy
@@ -57,18 +58,12 @@ def data_dependent_step(rec: CallRecorder) -> str:
     return ""
 
 
-class _FullSlot:
-    """A pack of a `FullCall`: the tensor (None once dropped), its version, and the
-    checkpoint's holder for it (what torch's checkpoint unpacks if the call falls back)."""
-
-    __slots__ = ("x", "version", "holder")
-
-
 class FullCall(_DirectCall):
     """The forward context of a `full` block's direct call (see the module docstring): a
-    `_DirectCall` with nothing cached, whose packs also go to the checkpoint's pack hook,
-    so that a call whose packs differ is recomputed by torch's checkpoint instead of
-    keeping every pack."""
+    `_DirectCall` with nothing cached. If the call's packs differ from the recorded ones,
+    its packs are handed, in order, to the checkpoint's own pack hook when the forward ends
+    (a holder each, no tensor), and its unpacks go to torch's checkpoint, which re-runs the
+    block; nothing is held but what torch's checkpoint holds."""
 
     __slots__ = ("outer_pack", "outer_unpack", "fell_back")
 
@@ -80,25 +75,18 @@ class FullCall(_DirectCall):
         self.fell_back = False
         return super().__enter__()
 
-    def pack(self, x: torch.Tensor) -> _FullSlot:
-        pack_matches(self, self.direct.metas, x)
-        slot = _FullSlot()
-        slot.x, slot.version, slot.holder = x.detach(), x._version, self.outer_pack(x)
-        self.slots.append(slot)
-        return slot
-
-    def unpack(self, slot: _FullSlot) -> torch.Tensor:
+    def unpack(self, slot) -> torch.Tensor:
         if self.fell_back:
-            return self.outer_unpack(slot.holder)
+            return self.outer_unpack(slot.x)  # (the checkpoint's holder)
         return super().unpack(slot)
 
     def __exit__(self, exc_type, *exc):
         if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
-            for slot in self.slots:
-                slot.x = None
-            self.fell_back = True
             torch._C._autograd._pop_saved_tensors_default_hooks()
-            self.slots = None
+            slots, self.slots = self.slots, None
+            for slot in slots:  # what the checkpoint's hook would have made of each pack, in order
+                slot.x = self.outer_pack(slot.x)
+            self.fell_back = True
             self.on_mismatch()
             return False
         return super().__exit__(exc_type, *exc)
