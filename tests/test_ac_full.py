@@ -92,7 +92,7 @@ def test_full_recompute_runs_without_rerunning_the_block_from_the_third_step(mod
     (d1, r1, c1), (d2, r2, c2), (d3, r3, c3), (d4, r4, c4) = seen[4:]
     assert d1 > 0 and d2 > 0 and r1 == r2 == checkpointed and not c1 and not c2
     assert d3 == d4 == 0 and r3 == r4 == 0 and len(c3) == len(c4) == checkpointed
-    outside = [*base.parameters(), base.rope_cache]
+    outside = [*model.parameters(), *model.buffers()]  # (the checkpointed run's weights and RoPE table)
     x, rope = _block_inputs(base, batch=2, seq=16)
     torch_holds = saved_activation_bytes(base.layers["0"], x, rope, mode="full")
     assert torch_holds == x.nbytes
