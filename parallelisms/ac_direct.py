@@ -16,7 +16,10 @@ by storage and view) this module works out, once per block:
   outside the block (its input, the weights, the RoPE table): nothing more than SAC keeps;
 - which ops must run to rebuild the others (`steps`): backwards from each other pack's
   storage to the op that made it, through its arguments, stopping at kept storages. Views
-  are not steps: every argument is rebuilt with `as_strided` on its storage;
+  are not steps: every argument is rebuilt with `as_strided` on its storage, or passed as
+  it is where it is exactly the tensor held for that storage. Each step's arguments are
+  laid out once (`_step`): at the CPU's op rate a tree walk per step cost a point of
+  `full`'s step time;
 
 and the forward context (`_DirectCall`) takes the packs itself: its saved-tensor hooks are
 the innermost, so the checkpoint's frame sees none and never recomputes. The other packs
