@@ -46,6 +46,20 @@ from parallelisms.ac_ops import MATMUL_OPS
 PACK_LISTENERS: list = []
 
 
+def _same_nodes() -> dict:
+    """Autograd node types that stand for the same op: `reshape` (in `matmul` too) makes a
+    `view` under a Python dispatch mode (the recorded calls) and an `_reshape_alias` without
+    one (the replayed ones)."""
+    try:
+        from torch._C import _functions as nodes
+        return {nodes.ReshapeAliasBackward0: nodes.ViewBackward0}
+    except AttributeError:  # pragma: no cover - another torch
+        return {}
+
+
+_SAME_NODE = _same_nodes()
+
+
 def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
     """The index of `x` among a recorded call's packs when it is the pack recorded there (shape,
     dtype, the op that made it); else None, and `listener.ok` turns False for the rest of the call."""
@@ -55,7 +69,9 @@ def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
         listener.ok = False
         return None
     shape, dtype, grad_fn = metas[j]
-    if x.shape != shape or x.dtype != dtype or type(x.grad_fn) is not grad_fn:
+    node = type(x.grad_fn)
+    if x.shape != shape or x.dtype != dtype or \
+            (node is not grad_fn and _SAME_NODE.get(node, node) is not _SAME_NODE.get(grad_fn, grad_fn)):
         listener.ok = False
         return None
     return j

@@ -68,24 +68,30 @@ class Direct:
         return _DirectCall(self, listeners, on_mismatch), contextlib.nullcontext()
 
 
-def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | None:
+def _refuse(why: list | None, reason: str) -> None:
+    if why is not None:
+        why.append(reason)
+
+
+def build_direct(rec: CallRecorder | None, kept: list, metas: list, why: list | None = None) -> Direct | None:
     """The direct recompute of a block recorded by `rec` whose plan keeps the outputs of
-    `kept` ((op, invocation index) pairs), or None (see the module docstring). `metas`: the
-    replay's per-pack metadata, which the recorded packs must match."""
+    `kept` ((op, invocation index) pairs), or None (see the module docstring; the reason is
+    appended to `why`). `metas`: the replay's per-pack metadata, which the recorded packs
+    must match."""
     if rec is None or len(rec.pack_refs) != len(metas) or any(r is None for r in rec.pack_refs):
-        return None
+        return _refuse(why, "a pack is a tensor subclass (TP's DTensors), or the packs differ from the replay's")
     event_of = {(id(e.func), e.index): i for i, e in enumerate(rec.events)}
     kept_keys = set()
     for func, index in kept:
         i = event_of.get((id(func), index))
         if i is None:
-            return None
+            return _refuse(why, "a kept output is not in the recorded call")
         kept_keys.update(k for k, _ in rec.calls[i][1])
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
-        return None
+        return _refuse(why, "autocast is on")
     for ref, (shape, dtype, _) in zip(rec.pack_refs, metas):
         if ref.size != shape or ref.dtype != dtype:
-            return None
+            return _refuse(why, "the recorded packs differ from the replay's")
     made = rec.origin
     keep = [r.key in kept_keys or (r.key not in made and r.key not in rec.written) for r in rec.pack_refs]
     sources: dict = {}
@@ -102,32 +108,32 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
         ref = todo.pop()
         if ref.key in sources or ref.key in seen:
             if dtypes.get(ref.key, ref.dtype) != ref.dtype:
-                return None
+                return _refuse(why, "a storage is read with two dtypes")
             continue
         seen.add(ref.key)
         i = made.get(ref.key)
         if i is None:
-            return None  # from outside the block and never packed
+            return _refuse(why, "a needed tensor is neither made in the block nor packed")
         steps = [i]
         if ref.key in rec.written:  # only by in-place ops on it (RMSNorm's `add_` of eps): they are steps too
             steps += writers.get(ref.key) or [None]
         for i in steps:
             if i is None:
-                return None
+                return _refuse(why, "a needed storage is written in place by an op that is no in-place step")
             func = rec.events[i].func
             (leaves, spec), outs = rec.calls[i]
             if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") \
                     or (func._schema.is_mutable and not rec.events[i].inplace_skip) \
                     or draws_random(func, *tree_unflatten(leaves, spec)):
-                return None
+                return _refuse(why, f"a step is not aten (a collective), is mutable, or draws random numbers: {func}")
             if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
-                return None
+                return _refuse(why, f"a step reads or makes a tensor subclass: {func}")
             for k, dt in outs:
                 dtypes.setdefault(k, dt)
             needed.add(i)
             todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
         if dtypes[ref.key] != ref.dtype:
-            return None
+            return _refuse(why, "a storage is read with two dtypes")
     # What `_rebuild` will hold per storage (the first tensor on it), to pass that tensor as it
     # is where an argument or a pack is exactly it, instead of an `as_strided` view of it.
     base_view = {key: _view(rec.pack_refs[j]) for key, j in sources.items()}

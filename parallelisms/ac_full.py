@@ -37,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy as P
 from torch.utils.checkpoint import noop_context_fn
 
 from parallelisms.ac_dce import CallRecorder
-from parallelisms.ac_direct import Direct, _DirectCall
+from parallelisms.ac_direct import Direct, _DirectCall, build_direct
 from parallelisms.ac_modes import make_sac_modes
 from parallelisms.ac_sac import SAC_CACHE_LISTENERS, OpSACPolicy
 from parallelisms.ac_trace import trace_enabled, trace_line
@@ -132,7 +132,10 @@ class FullAC(OpSAC):
         if plan.disabled:
             direct, why = None, plan.disabled
         elif direct is None:
-            why = "a step is random, not aten (a collective) or on a tensor subclass, or autocast is on"
+            reasons: list = []
+            if plan.replay is not None:
+                build_direct(plan.source, [], plan.replay.metas, reasons)
+            why = reasons[0] if reasons else "no replay of its forward"
         else:
             step = data_dependent_step(plan.source)
             if step:
