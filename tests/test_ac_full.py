@@ -165,3 +165,33 @@ def test_full_keeps_torchs_checkpoint_for_data_dependent_ops_and_under_compile(b
     compiled = FullAC(ActivationCheckpointConfig(mode="full"))
     compiled.compile_enabled = True
     assert "context_fn" not in compiled.checkpoint_kwargs(block, prefix="m") and compiled.calibrated(block, "m")
+
+
+def test_deepseek_dense_block_stays_direct_and_moe_block_keeps_torchs_checkpoint(full_calls, block_reruns):
+    """DeepSeek's dense block takes the direct path and keeps it: its `matmul` of a 3-d input
+    reshapes through `view` under the recording calls' dispatch mode and `_reshape_alias`
+    without one, the same op (before, every call 3 fell back). Its MoE block reads a buffer
+    autograd does not pack, so it keeps torch's checkpoint. Bitwise against `none`."""
+    from tests.test_ac_multirank import _build
+    base, spec = _build("deepseek_v3")
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
+               for _ in range(4)]
+    runs, seen = {}, []
+    for mode in ("none", "full"):
+        model = copy.deepcopy(base)
+        policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode), spec=spec)
+        runs[mode] = []
+        for tokens, target in batches:
+            model.zero_grad(set_to_none=True)
+            full_calls.clear()
+            block_reruns.clear()
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+            loss.backward()
+            seen.append(([call.fell_back for call, _ in full_calls], block_reruns["reruns"]))
+            runs[mode].append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["full"]):
+        assert torch.equal(loss_ref, loss) and all(torch.equal(a, b) for a, b in zip(grads_ref, grads))
+    assert seen[6:] == [([False], 1), ([False], 1)]  # calls 3 and 4: the dense block direct, the MoE block re-run
+    dense, moe = policy.plans.values()
+    assert dense.full_direct is not None and moe.full_direct is None
