@@ -4,9 +4,9 @@ User guide: docs/activation_checkpointing.md. Design: the project's AC design no
 
 Why it is shaped this way: every mode is a policy class (`NoAC`, `OpSAC`, `MemoryBudgetAC`;
 `FullAC` and `SelectiveAC` in `ac_full`, `BudgetSAC` in `ac_budget`) that owns its reading
-of the `[activation_checkpoint]` config and its `apply`, so that a model spec can parameterise or subclass a policy where the
-model needs it (MoE-specific choices live in `models/deepseek_v3/`), through
-`ModelSpec.ac_policies = {mode: class}`. The op-level policy's extension points are
+of the `[activation_checkpoint]` config and its `apply`, so that a model spec can
+parameterise or subclass a policy where the model needs it (MoE-specific choices live in
+`models/deepseek_v3/`), through `ModelSpec.ac_policies = {mode: class}`. The op-level policy's extension points are
 `OpSAC.save_ops()` (what is always kept) and `OpSAC.decide()` (the per-op rule).
 
 Public surface
