@@ -195,3 +195,25 @@ def test_deepseek_dense_block_stays_direct_and_moe_block_keeps_torchs_checkpoint
     assert seen[6:] == [([False], 1), ([False], 1)]  # calls 3 and 4: the dense block direct, the MoE block re-run
     dense, moe = policy.plans.values()
     assert dense.full_direct is not None and moe.full_direct is None
+
+
+def test_full_logs_its_path_once_per_block(monkeypatch, caplog):
+    """With AC_TRACE=1 each block logs once which path `full` took, and why not the direct one
+    (the gated block holds x and the three weights of its 9 packs)."""
+    import logging
+
+    from parallelisms.ac_trace import reset_ac_trace
+    monkeypatch.setenv("AC_TRACE", "1")
+    reset_ac_trace()
+    torch.manual_seed(0)
+    policy = FullAC(ActivationCheckpointConfig(mode="full"))
+    with caplog.at_level(logging.INFO, logger="ac"):
+        for block, prefix in ((_Gated(), "gated"), (_Nonzero(), "picked")):
+            kwargs = policy.checkpoint_kwargs(block, prefix=prefix)
+            x = torch.randn(6, 16)
+            for _ in range(4):
+                _assert_equal(_grads(block, (x,)), _grads(block, (x,), kwargs))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AC_TRACE FULL")]
+    assert lines == ["AC_TRACE FULL gated: recomputes 4 ops directly, holds 4 of 9 packs",
+                     "AC_TRACE FULL picked: torch's checkpoint: aten.nonzero.default's output depends on data"]
+    reset_ac_trace()
