@@ -46,6 +46,20 @@ from parallelisms.ac_ops import MATMUL_OPS
 PACK_LISTENERS: list = []
 
 
+def _same_nodes() -> dict:
+    """Autograd node types that stand for the same op: `reshape` (in `matmul` too) makes a
+    `view` under a Python dispatch mode (the recorded calls) and an `_reshape_alias` without
+    one (the replayed ones)."""
+    try:
+        from torch._C import _functions as nodes
+        return {nodes.ReshapeAliasBackward0: nodes.ViewBackward0}
+    except AttributeError:  # pragma: no cover - another torch
+        return {}
+
+
+_SAME_NODE = _same_nodes()
+
+
 def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
     """The index of `x` among a recorded call's packs when it is the pack recorded there (shape,
     dtype, the op that made it); else None, and `listener.ok` turns False for the rest of the call."""
@@ -55,7 +69,9 @@ def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
         listener.ok = False
         return None
     shape, dtype, grad_fn = metas[j]
-    if x.shape != shape or x.dtype != dtype or type(x.grad_fn) is not grad_fn:
+    node = type(x.grad_fn)
+    if x.shape != shape or x.dtype != dtype or \
+            (node is not grad_fn and _SAME_NODE.get(node, node) is not _SAME_NODE.get(grad_fn, grad_fn)):
         listener.ok = False
         return None
     return j
@@ -204,6 +220,7 @@ class CallRecorder:
     calls: list = field(default_factory=list)
     pack_refs: list = field(default_factory=list)
     written: set = field(default_factory=set)
+    out_views: list = field(default_factory=list)  # per event, (size, stride, offset) per tensor output
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
         in_keys = _storage_keys((args, kwargs), self.alive)
@@ -227,9 +244,10 @@ class CallRecorder:
             for k in out_keys:
                 if k in self.origin:
                     self.events[self.origin[k]].mutated_later = True
+        outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         self.calls.append((_template((args, kwargs)),
-                           [(x.untyped_storage()._cdata, x.dtype) if plain_data(x) else (None, None)
-                            for x in tree_leaves(out) if isinstance(x, torch.Tensor)]))
+                           [(x.untyped_storage()._cdata, x.dtype) if plain_data(x) else (None, None) for x in outs]))
+        self.out_views.append([(x.size(), x.stride(), x.storage_offset()) if plain_data(x) else None for x in outs])
         for k in out_keys:
             producer[k] = i
             if not mutable and not is_view:

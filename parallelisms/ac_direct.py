@@ -16,7 +16,10 @@ by storage and view) this module works out, once per block:
   outside the block (its input, the weights, the RoPE table): nothing more than SAC keeps;
 - which ops must run to rebuild the others (`steps`): backwards from each other pack's
   storage to the op that made it, through its arguments, stopping at kept storages. Views
-  are not steps: every argument is rebuilt with `as_strided` on its storage;
+  are not steps: every argument is rebuilt with `as_strided` on its storage, or passed as
+  it is where it is exactly the tensor held for that storage. Each step's arguments are
+  laid out once (`_step`): at the CPU's op rate a tree walk per step cost a point of
+  `full`'s step time;
 
 and the forward context (`_DirectCall`) takes the packs itself: its saved-tensor hooks are
 the innermost, so the checkpoint's frame sees none and never recomputes. The other packs
@@ -53,9 +56,10 @@ class Direct:
     keep: list  # per pack: True if the forward keeps it as it is
     cached: list  # per pack: kept because SAC keeps its storage (what the byte counters see)
     sources: dict  # storage -> the first kept pack on it (the base of its Refs)
-    steps: list  # (op, argument leaves with Refs, spec, output storages) in forward order
+    steps: list  # `_step`s with what each frees (`_with_frees`), in forward order
     packs: list  # per pack: its Ref
     metas: list  # per pack: (shape, dtype, type of grad_fn), as the replay's
+    lost: list  # per pack not kept: (its index, storage, view or None: the rebuilt tensor itself)
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute context) for `checkpoint(context_fn=...)`;
@@ -64,24 +68,30 @@ class Direct:
         return _DirectCall(self, listeners, on_mismatch), contextlib.nullcontext()
 
 
-def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | None:
+def _refuse(why: list | None, reason: str) -> None:
+    if why is not None:
+        why.append(reason)
+
+
+def build_direct(rec: CallRecorder | None, kept: list, metas: list, why: list | None = None) -> Direct | None:
     """The direct recompute of a block recorded by `rec` whose plan keeps the outputs of
-    `kept` ((op, invocation index) pairs), or None (see the module docstring). `metas`: the
-    replay's per-pack metadata, which the recorded packs must match."""
+    `kept` ((op, invocation index) pairs), or None (see the module docstring; the reason is
+    appended to `why`). `metas`: the replay's per-pack metadata, which the recorded packs
+    must match."""
     if rec is None or len(rec.pack_refs) != len(metas) or any(r is None for r in rec.pack_refs):
-        return None
+        return _refuse(why, "a pack is a tensor subclass (TP's DTensors), or the packs differ from the replay's")
     event_of = {(id(e.func), e.index): i for i, e in enumerate(rec.events)}
     kept_keys = set()
     for func, index in kept:
         i = event_of.get((id(func), index))
         if i is None:
-            return None
+            return _refuse(why, "a kept output is not in the recorded call")
         kept_keys.update(k for k, _ in rec.calls[i][1])
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
-        return None
+        return _refuse(why, "autocast is on")
     for ref, (shape, dtype, _) in zip(rec.pack_refs, metas):
         if ref.size != shape or ref.dtype != dtype:
-            return None
+            return _refuse(why, "the recorded packs differ from the replay's")
     made = rec.origin
     keep = [r.key in kept_keys or (r.key not in made and r.key not in rec.written) for r in rec.pack_refs]
     sources: dict = {}
@@ -98,38 +108,81 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list) -> Direct | 
         ref = todo.pop()
         if ref.key in sources or ref.key in seen:
             if dtypes.get(ref.key, ref.dtype) != ref.dtype:
-                return None
+                return _refuse(why, "a storage is read with two dtypes")
             continue
         seen.add(ref.key)
         i = made.get(ref.key)
         if i is None:
-            return None  # from outside the block and never packed
+            return _refuse(why, "a needed tensor is neither made in the block nor packed")
         steps = [i]
         if ref.key in rec.written:  # only by in-place ops on it (RMSNorm's `add_` of eps): they are steps too
             steps += writers.get(ref.key) or [None]
         for i in steps:
             if i is None:
-                return None
+                return _refuse(why, "a needed storage is written in place by an op that is no in-place step")
             func = rec.events[i].func
             (leaves, spec), outs = rec.calls[i]
             if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten") \
                     or (func._schema.is_mutable and not rec.events[i].inplace_skip) \
                     or draws_random(func, *tree_unflatten(leaves, spec)):
-                return None
+                return _refuse(why, f"a step is not aten (a collective), is mutable, or draws random numbers: {func}")
             if any((k is None) for k, _ in outs) or any(leaf is None for leaf in leaves):
-                return None
+                return _refuse(why, f"a step reads or makes a tensor subclass: {func}")
             for k, dt in outs:
                 dtypes.setdefault(k, dt)
             needed.add(i)
             todo.extend(leaf for leaf in leaves if type(leaf) is Ref)
         if dtypes[ref.key] != ref.dtype:
-            return None
+            return _refuse(why, "a storage is read with two dtypes")
+    # What `_rebuild` will hold per storage (the first tensor on it), to pass that tensor as it
+    # is where an argument or a pack is exactly it, instead of an `as_strided` view of it.
+    base_view = {key: _view(rec.pack_refs[j]) for key, j in sources.items()}
     steps = []
     for i in sorted(needed):
         (leaves, spec), outs = rec.calls[i]
-        steps.append((rec.events[i].func, leaves, spec, tuple(k for k, _ in outs)))
+        steps.append(_step(rec.events[i].func, leaves, spec, tuple(k for k, _ in outs), base_view))
+        for (key, _), view in zip(outs, rec.out_views[i]):
+            base_view.setdefault(key, view)
+    lost = [(j, r.key, None if _view(r) == base_view[r.key] else _view(r))
+            for j, r in enumerate(rec.pack_refs) if not keep[j]]
+    steps = _with_frees(steps, set(sources) | {key for _, key, _ in lost})
     cached = [r.key in kept_keys for r in rec.pack_refs]
-    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas)
+    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas, lost)
+
+
+def _with_frees(steps: list, kept: set) -> list:
+    """Each step with the storages `_rebuild` lets go of after it: those no later step reads
+    and no pack is on (intermediates such as RMSNorm's square or RoPE's products), as the
+    re-run forward of torch's checkpoint frees them; held all through, they raised the
+    backward peak of the debug model under FSDP 2 by 5 MiB (tests/test_memory_estimate.py)."""
+    last: dict = {}
+    for n, (_, _, refs, _, _, outs) in enumerate(steps):
+        for key in outs:
+            last.setdefault(key, n)
+        for _, key, _ in refs:
+            last[key] = n
+    frees: list = [[] for _ in steps]
+    for key, n in last.items():
+        if key not in kept:
+            frees[n].append(key)
+    return [(*step, tuple(f)) for step, f in zip(steps, frees)]
+
+
+def _view(ref: Ref) -> tuple:
+    return ref.size, ref.stride, ref.offset
+
+
+def _step(func, leaves: list, spec, outs: tuple, base_view: dict) -> tuple:
+    """(op, arguments, [(position, storage, view or None: the held tensor itself)], kwargs,
+    spec or None, output storages). Tensors only among the positional arguments (most aten
+    ops): `args` are those arguments; else `args` are the flat leaves and `spec` rebuilds them."""
+    args, kwargs = tree_unflatten(leaves, spec)
+    flat = not any(type(x) is Ref for x in tree_leaves(kwargs)) and \
+        sum(type(a) is Ref for a in args) == sum(type(x) is Ref for x in leaves)
+    items = list(args) if flat else list(leaves)
+    refs = tuple((pos, x.key, None if _view(x) == base_view.get(x.key) else _view(x))
+                 for pos, x in enumerate(items) if type(x) is Ref)
+    return func, items, refs, (kwargs if flat else {}), (None if flat else spec), outs
 
 
 def _inplace_writers(rec: CallRecorder) -> dict:
@@ -211,8 +264,8 @@ class _DirectCall:
             self.on_mismatch()  # another op sequence: this call keeps every pack, exact
             return False
         self.sources = {key: slots[j] for key, j in direct.sources.items()}
-        self.lost = [(slots[j], r) for j, (keep, r) in enumerate(zip(direct.keep, direct.packs)) if not keep]
-        for slot, _ in self.lost:
+        self.lost = [(slots[j], key, view) for j, key, view in direct.lost]
+        for slot, _, _ in self.lost:
             slot.x = None
         if not self.lost:
             self.sources = self.lost = None  # nothing to rebuild
@@ -225,13 +278,26 @@ class _DirectCall:
     def _rebuild(self) -> None:
         bases = {key: slot.x for key, slot in self.sources.items()}
         with torch.no_grad():
-            for func, leaves, spec, outs in self.direct.steps:
-                args, kwargs = tree_unflatten([bases[x.key].as_strided(x.size, x.stride, x.offset)
-                                               if type(x) is Ref else x for x in leaves], spec)
-                out = func(*args, **kwargs)
-                for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
-                    bases.setdefault(key, t)
-            for slot, r in self.lost:
-                x = slot.x = bases[r.key].as_strided(r.size, r.stride, r.offset)
+            for func, items, refs, kwargs, spec, outs, frees in self.direct.steps:
+                items = list(items)
+                for pos, key, view in refs:
+                    items[pos] = bases[key] if view is None else bases[key].as_strided(*view)
+                if spec is None:
+                    out = func(*items, **kwargs) if kwargs else func(*items)
+                else:
+                    args, kwargs = tree_unflatten(items, spec)
+                    out = func(*args, **kwargs)
+                del items
+                if type(out) is torch.Tensor:
+                    if outs[0] not in bases:
+                        bases[outs[0]] = out
+                else:
+                    for key, t in zip(outs, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
+                        bases.setdefault(key, t)
+                del out
+                for key in frees:
+                    del bases[key]
+            for slot, key, view in self.lost:
+                x = slot.x = bases[key] if view is None else bases[key].as_strided(*view)
                 slot.version = x._version
         self.sources = self.lost = None  # (the slots autograd holds keep what they need)

@@ -2,11 +2,11 @@
 
 User guide: docs/activation_checkpointing.md. Design: the project's AC design note.
 
-Why it is shaped this way: every mode is a policy class (`NoAC`, `FullAC`, `SelectiveAC`,
-`OpSAC`, `MemoryBudgetAC`) that owns its reading of the `[activation_checkpoint]` config
-and its `apply`, so that a model spec can parameterise or subclass a policy where the
-model needs it (MoE-specific choices live in `models/deepseek_v3/`), through
-`ModelSpec.ac_policies = {mode: class}`. The op-level policy's extension points are
+Why it is shaped this way: every mode is a policy class (`NoAC`, `OpSAC`, `MemoryBudgetAC`;
+`FullAC` and `SelectiveAC` in `ac_full`, `BudgetSAC` in `ac_budget`) that owns its reading
+of the `[activation_checkpoint]` config and its `apply`, so that a model spec can
+parameterise or subclass a policy where the model needs it (MoE-specific choices live in
+`models/deepseek_v3/`), through `ModelSpec.ac_policies = {mode: class}`. The op-level policy's extension points are
 `OpSAC.save_ops()` (what is always kept) and `OpSAC.decide()` (the per-op rule).
 
 Public surface
@@ -25,7 +25,7 @@ SAC internals in `ac_sac`. The exact byte and FLOP counters (`SavedActivationCou
 `saved_activation_bytes`, `flop_counter`, ...) live in `ac_measure`, which the training
 path does not import. Imports go one way: ac_ops, ac_trace, ac_dce <- ac_modes <- ac_replay, ac_direct <-
 ac_sac <- this module <-
-ac_budget, ac_measure (tests/test_layering.py checks that none of them imports back).
+ac_budget, ac_full, ac_measure (tests/test_layering.py checks that none of them imports back).
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class ACPolicy:
     treats blocks differently, `block_mode`."""
 
     mode: ClassVar[str] = ""
+    compile_enabled = False  # the blocks will be compiled (set by `policy_for`)
 
     def __init__(self, cfg: ActivationCheckpointConfig, *, extra_save_ops: Iterable = (),
                  force_recompute_fqns: Iterable[str] = ()):
@@ -180,24 +181,6 @@ class NoAC(ACPolicy):
 
     def apply(self, model: nn.Module) -> None:
         return None
-
-
-class FullAC(ACPolicy):
-    """mode = "full": every block keeps only its input and is re-run in backward (the
-    non-reentrant checkpoint stops once backward has every tensor it needs)."""
-
-    mode = "full"
-
-
-class SelectiveAC(FullAC):
-    """mode = "selective": `full` on the blocks whose layer id is a multiple of
-    `selective_layer_interval`. Keyed on the global layer id, so a pipeline stage picks
-    the same blocks as one process."""
-
-    mode = "selective"
-
-    def block_mode(self, layer_id: int) -> str:
-        return "full" if layer_id % self.cfg.selective_layer_interval == 0 else "none"
 
 
 class MemoryBudgetAC(ACPolicy):
@@ -359,8 +342,8 @@ class OpSAC(ACPolicy):
 
 # Mode -> policy class ("module:name" for one imported only when that mode is used).
 POLICIES: dict[str, Any] = {
-    "none": NoAC, "full": FullAC, "selective": SelectiveAC, "op": OpSAC, "memory_budget": MemoryBudgetAC,
-    "budget": "parallelisms.ac_budget:BudgetSAC",
+    "none": NoAC, "full": "parallelisms.ac_full:FullAC", "selective": "parallelisms.ac_full:SelectiveAC", "op": OpSAC,
+    "memory_budget": MemoryBudgetAC, "budget": "parallelisms.ac_budget:BudgetSAC",
 }
 
 
@@ -394,7 +377,9 @@ def policy_for(cfg: ActivationCheckpointConfig, *, spec=None, compile_enabled: b
     if isinstance(cls, str):
         module, name = cls.split(":")
         cls = getattr(importlib.import_module(module), name)
-    return cls(cfg, extra_save_ops=extra_save_ops, force_recompute_fqns=force_recompute_fqns)
+    policy = cls(cfg, extra_save_ops=extra_save_ops, force_recompute_fqns=force_recompute_fqns)
+    policy.compile_enabled = bool(compile_enabled)
+    return policy
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig, *, spec=None,
@@ -435,7 +420,7 @@ def op_sac_context_fn(*, extra_save_ops: Iterable = (), force_recompute_fqns: It
 
 
 __all__ = [
-    "AC_MODES", "ACPolicy", "ActivationCheckpointConfig", "FullAC", "MATMUL_OPS", "MemoryBudgetAC", "NoAC",
-    "OpSAC", "OpSACPolicy", "POLICIES", "RUNTIME_OP_NAMESPACES", "SelectiveAC", "apply_activation_checkpointing",
+    "AC_MODES", "ACPolicy", "ActivationCheckpointConfig", "MATMUL_OPS", "MemoryBudgetAC", "NoAC",
+    "OpSAC", "OpSACPolicy", "POLICIES", "RUNTIME_OP_NAMESPACES", "apply_activation_checkpointing",
     "block_mode", "default_save_ops", "op_sac_context_fn", "policy_for", "reset_ac_trace", "unwrap_block",
 ]
