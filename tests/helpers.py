@@ -122,17 +122,3 @@ def tiny_seed_checkpoint(folder: Path) -> list[str]:
     run_in_process(TINY + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--job.dump_folder",
                            str(folder)])
     return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(Path(folder) / "checkpoint" / "step-0")]
-
-
-def seeded_llama(flavor: str = "debug_small", seed: int = 0, **overrides):
-    """A Llama 3 of `flavor` (args overridden by `overrides`), initialised under `seed`, on the CPU."""
-    import dataclasses
-
-    import torch
-
-    from models.llama3 import LLAMA3_FLAVORS, Llama3
-
-    torch.manual_seed(seed)
-    model = Llama3(dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides))
-    model.init_weights()
-    return model

@@ -23,7 +23,7 @@ from parallelisms.ac_budget import BudgetSAC, solve_knapsack
 from parallelisms.ac_measure import SavedActivationCounter, flop_counter, saved_activation_bytes
 from parallelisms.ac_trace import reset_ac_trace
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing, policy_for
-from tests.test_activation_checkpoint import _assert_bitwise, _llama, _tiny_deepseek, _train
+from tests.ac_helpers import assert_bitwise, seeded_llama, tiny_deepseek, train_steps
 from trainer.config import load_config
 from configuration.fields import ConfigError
 
@@ -69,7 +69,7 @@ def test_knapsack_guarantees_over_many_random_instances(seed):
 
 
 def _block(which: str):
-    model = _llama("debug_small") if which == "llama" else _tiny_deepseek()
+    model = seeded_llama("debug_small") if which == "llama" else tiny_deepseek()
     block = model.layers["1"]
     torch.manual_seed(5)
     x = torch.randn(2, 16, model.args.dim, requires_grad=True)
@@ -167,7 +167,7 @@ def test_budget_full_range_on_llama_block():
 
 @pytest.mark.parametrize("which", ["llama", "deepseek"])
 def test_budget_mode_is_bitwise_equal_to_none(which):
-    base = _llama("debug_small") if which == "llama" else _tiny_deepseek()
+    base = seeded_llama("debug_small") if which == "llama" else tiny_deepseek()
     g = torch.Generator().manual_seed(3)
     vocab = base.args.vocab_size
     batches = [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
@@ -178,17 +178,17 @@ def test_budget_mode_is_bitwise_equal_to_none(which):
         model = copy.deepcopy(base)
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, **cfg), spec=spec)
         torch.manual_seed(1234)
-        return _train(model, batches, steps=4)
+        return train_steps(model, batches, steps=4)
 
     ref = run("none")
     for cfg in ({"budget_fraction": 0.3}, {"budget_mib": 0.05}):
-        _assert_bitwise(ref, run("budget", **cfg))
+        assert_bitwise(ref, run("budget", **cfg))
 
 
 def test_budget_trace_prints_the_chosen_set(monkeypatch, caplog):
     monkeypatch.setenv("AC_TRACE", "1")
     reset_ac_trace()
-    model = _llama("debug_small")
+    model = seeded_llama("debug_small")
     policy = policy_for(ActivationCheckpointConfig(mode="budget", budget_fraction=0.3))
     policy.apply(model)
     with caplog.at_level(logging.INFO, logger="ac"):
@@ -220,12 +220,12 @@ def test_budget_config():
 
 def _four_steps_of_none(seed: int):
     """(a fresh copy of the debug_small Llama, 4 batches, the un-checkpointed run's 4 steps on them)."""
-    base = _llama("debug_small")
+    base = seeded_llama("debug_small")
     g = torch.Generator().manual_seed(seed)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(4)]
     torch.manual_seed(1234)
-    return copy.deepcopy(base), batches, _train(copy.deepcopy(base), batches, steps=4)
+    return copy.deepcopy(base), batches, train_steps(copy.deepcopy(base), batches, steps=4)
 
 
 def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch):
@@ -243,7 +243,7 @@ def test_budget_keeps_packed_outputs_and_runs_its_fast_paths_bitwise(monkeypatch
     monkeypatch.setattr(ac, "make_sac_modes", lambda p: (events.append("modes"), make_modes(p))[1])
     model.register_forward_pre_hook(lambda *_: events.append("step"))
     torch.manual_seed(1234)
-    _assert_bitwise(ref, _train(model, batches, steps=4))
+    assert_bitwise(ref, train_steps(model, batches, steps=4))
     per_step = [chunk.count("modes") for chunk in " ".join(events).split("step")[1:]]
     n = len(model.layers)
     assert per_step == [n, n, 1, 0], per_step
@@ -260,7 +260,7 @@ def test_budget_zero_recomputes_directly_through_rmsnorms_inplace_add():
     model, batches, ref = _four_steps_of_none(seed=6)
     policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_mib=0.0))
     torch.manual_seed(1234)
-    _assert_bitwise(ref, _train(model, batches, steps=4))
+    assert_bitwise(ref, train_steps(model, batches, steps=4))
     (choice,) = policy.choices.values()
     assert choice.keep == frozenset()
     for plan in policy.plans.values():

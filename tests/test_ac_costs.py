@@ -21,7 +21,7 @@ from parallelisms.activation_checkpoint import (
     apply_activation_checkpointing,
     reset_ac_trace,
 )
-from tests.helpers import seeded_llama
+from tests.ac_helpers import block_inputs, seeded_llama
 
 MODES = ("none", "full", "selective", "op")  # the eager modes (memory_budget needs compile)
 aten = torch.ops.aten
@@ -30,17 +30,13 @@ aten = torch.ops.aten
 # --------------------------------------------------------------------------- saved bytes
 
 
-def _block_inputs(model, batch=2, seq=16):
-    torch.manual_seed(5)
-    x = torch.randn(batch, seq, model.args.dim, requires_grad=True)
-    return x, model.rope_cache[:seq]
 
 
 @pytest.mark.parametrize("flavor", ["debug_small", "debug"])
 def test_saved_bytes_match_analytic_counts(flavor):
     model = seeded_llama(flavor)
     a = model.args
-    x, rope = _block_inputs(model)
+    x, rope = block_inputs(model)
     tokens = x.shape[0] * x.shape[1]
     block = model.layers["0"]
     d, f, h, kv = a.dim, a.ffn_hidden_dim, a.n_heads, a.kv_heads * a.head_dim
@@ -71,7 +67,7 @@ def test_saved_bytes_match_analytic_counts(flavor):
 def test_saved_bytes_fake_tensor_mode_and_meta_equal_real():
     from torch._subclasses.fake_tensor import FakeTensorMode
     model = seeded_llama("debug_small")
-    x, rope = _block_inputs(model)
+    x, rope = block_inputs(model)
     real = {m: saved_activation_bytes(model.layers["1"], x, rope, mode=m) for m in ("none", "full", "op")}
     with FakeTensorMode():
         fake_model = Llama3(model.args)
@@ -89,7 +85,7 @@ def test_saved_bytes_fake_tensor_mode_and_meta_equal_real():
 
 def test_force_recompute_saves_less():
     model = seeded_llama("debug_small")
-    x, rope = _block_inputs(model)
+    x, rope = block_inputs(model)
     block = model.layers["0"]
     plain = saved_activation_bytes(block, x, rope, mode="op")
     forced = saved_activation_bytes(block, x, rope, mode="op",

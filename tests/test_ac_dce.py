@@ -54,10 +54,10 @@ def _assert_equal(a, b):
 
 
 def test_llama_block_recompute_skips_rope_and_the_projections_feeding_it(recomputed):
-    from tests.test_activation_checkpoint import _block_inputs, _llama
-    model = _llama("debug_small")
+    from tests.ac_helpers import block_inputs, seeded_llama
+    model = seeded_llama("debug_small")
     block = model.layers["0"]
-    inputs = _block_inputs(model)
+    inputs = block_inputs(model)
     policy = OpSAC(ActivationCheckpointConfig(mode="op"))
     kwargs = policy.checkpoint_kwargs(block, prefix="layers.0")
     ref = _grads(block, inputs)
@@ -250,8 +250,8 @@ def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatche
     monkeypatch.setattr(OpSAC, "direct_recompute", direct)
 
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from tests.test_activation_checkpoint import _clean, _llama
-    base = _llama("debug_small")
+    from tests.ac_helpers import clean_name, seeded_llama
+    base = seeded_llama("debug_small")
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(3)]
@@ -266,7 +266,7 @@ def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatche
             loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2), target.flatten())
             dispatched.append(sum(forward_dispatches.values()))
             loss.backward()
-            runs[mode].append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+            runs[mode].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
     for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
         assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
     assert dispatched[3] > 0 and dispatched[4] > 0 and dispatched[5] == 0  # op's steps 1, 2, 3
@@ -335,30 +335,30 @@ def test_budget_applies_its_plan_from_the_third_call_bitwise():
     import copy
 
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from tests.test_activation_checkpoint import _assert_bitwise, _llama, _run_mode, _train
-    base = _llama("debug_small")
+    from tests.ac_helpers import assert_bitwise, seeded_llama, run_mode, train_steps
+    base = seeded_llama("debug_small")
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(3)]
-    ref = _run_mode(base, "none", batches)
+    ref = run_mode(base, "none", batches)
     model = copy.deepcopy(base)
     policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="budget", budget_fraction=0.3))
     torch.manual_seed(1234)
-    _assert_bitwise(ref, _train(model, batches))
+    assert_bitwise(ref, train_steps(model, batches))
     assert len(policy.plans) == len(model.layers)  # each block's plan, applied in step 3
 
 
 def _train_autocast(model, batches):
     """Loss and grads per step, forward and backward inside one bf16 autocast region (as the
     trainer runs one GPU without FSDP): the recompute then finds autocast's weight casts cached."""
-    from tests.test_activation_checkpoint import _clean
+    from tests.ac_helpers import clean_name
     record = []
     for inputs, target in batches:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2).float(), target.flatten())
             loss.backward()
-        record.append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+        record.append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
     return record
 
 
@@ -373,10 +373,10 @@ def test_plan_under_autocast_with_backward_in_the_region(monkeypatch, caplog, co
     import copy
 
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from tests.test_activation_checkpoint import _assert_bitwise, _llama
+    from tests.ac_helpers import assert_bitwise, seeded_llama
     if count_param_casts:
         monkeypatch.setattr(ac_modes, "is_param_cast", lambda args: False)
-    base = _llama("debug_small")
+    base = seeded_llama("debug_small")
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(3)]
@@ -385,7 +385,7 @@ def test_plan_under_autocast_with_backward_in_the_region(monkeypatch, caplog, co
     policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="op"))
     with caplog.at_level("WARNING", logger="ac"):
         got = _train_autocast(model, batches)
-    _assert_bitwise(ref, got)
+    assert_bitwise(ref, got)
     plans = list(policy.plans.values())
     assert len(plans) == len(model.layers)
     if count_param_casts:
@@ -432,13 +432,13 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
 
     from models.llama3.parallelize import parallelize_llama
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from tests.test_activation_checkpoint import _clean, _llama
+    from tests.ac_helpers import clean_name, seeded_llama
     from trainer.config import load_config
 
     g = torch.Generator().manual_seed(4)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(4)]
-    base = _llama("debug_small")
+    base = seeded_llama("debug_small")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
@@ -455,7 +455,7 @@ def test_plan_on_tensor_parallel_blocks_is_bitwise(recomputed):
                 logits = model(inputs)  # [batch, seq, vocab], gathered (no loss parallel)
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
                 loss.backward()
-                runs[mode].append((loss.detach(), {_clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}))
+                runs[mode].append((loss.detach(), {clean_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}))
     finally:
         dist.destroy_process_group()
     for mode in ("op", "budget"):

@@ -66,8 +66,8 @@ def test_full_recompute_runs_without_rerunning_the_block_from_the_third_step(mod
     after its forward only its input (beyond weights and the RoPE table): what torch's
     checkpoint holds. Loss and gradients equal `none`'s bitwise at every step."""
     from parallelisms.ac_measure import saved_activation_bytes
-    from tests.test_activation_checkpoint import _block_inputs, _clean, _llama
-    base = _llama("debug_small")
+    from tests.ac_helpers import block_inputs, clean_name, seeded_llama
+    base = seeded_llama("debug_small")
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
                for _ in range(4)]
@@ -84,7 +84,7 @@ def test_full_recompute_runs_without_rerunning_the_block_from_the_third_step(mod
             loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, -2), target.flatten())
             loss.backward()
             seen.append((sum(forward_dispatches.values()), block_reruns["reruns"], list(full_calls)))
-            runs[run].append((loss.detach(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
+            runs[run].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
     for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
         assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
     checkpointed = 3 if mode == "full" else 2  # (selective every 2: layers 0 and 2 of 3)
@@ -93,7 +93,7 @@ def test_full_recompute_runs_without_rerunning_the_block_from_the_third_step(mod
     assert d1 > 0 and d2 > 0 and r1 == r2 == checkpointed and not c1 and not c2
     assert d3 == d4 == 0 and r3 == r4 == 0 and len(c3) == len(c4) == checkpointed
     outside = [*model.parameters(), *model.buffers()]  # (the checkpointed run's weights and RoPE table)
-    x, rope = _block_inputs(base, batch=2, seq=16)
+    x, rope = block_inputs(base, batch=2, seq=16)
     torch_holds = saved_activation_bytes(base.layers["0"], x, rope, mode="full")
     assert torch_holds == x.nbytes
     for call, held in c3 + c4:

@@ -18,8 +18,8 @@ aten = torch.ops.aten
 
 
 def _tiny_moe():
-    from tests.test_activation_checkpoint import _tiny_deepseek  # one tiny DeepSeek for the AC tests
-    return _tiny_deepseek()
+    from tests.ac_helpers import tiny_deepseek  # one tiny DeepSeek for the AC tests
+    return tiny_deepseek()
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ runs in test_ac_multirank.py, torch.compile in test_ac_compile.py.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 
 import pytest
 import torch
@@ -26,17 +24,12 @@ from parallelisms.activation_checkpoint import (
     default_save_ops,
     op_sac_context_fn,
 )
-from tests.helpers import seeded_llama
+from tests.ac_helpers import assert_bitwise, run_mode, seeded_llama, tiny_deepseek
 from trainer.config import load_config
 from configuration.fields import ConfigError
 
 aten = torch.ops.aten
 MODES = ("none", "full", "selective", "op")
-PREFIX = "_checkpoint_wrapped_module."
-
-
-def _clean(name: str) -> str:
-    return name.replace(PREFIX, "")
 
 
 # --------------------------------------------------------------------------- config
@@ -315,36 +308,10 @@ def test_runtime_op_in_one_pass_only_bypasses_the_cache():
 # --------------------------------------------------------------------------- numerics
 
 
-def _train(model, batches, steps=2):
-    """Loss and every parameter grad (keyed without wrapper prefixes) for each step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    record = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        inputs, target = batches[step]
-        out = model(inputs)
-        loss = F.cross_entropy(out.flatten(0, -2), target.flatten()) if target.dtype == torch.long \
-            else F.mse_loss(out, target)
-        loss.backward()
-        record.append((loss.detach().clone(), {_clean(n): p.grad.clone() for n, p in model.named_parameters()}))
-        opt.step()
-    return record
 
 
-def _assert_bitwise(ref, got):
-    for (l_ref, g_ref), (l_got, g_got) in zip(ref, got):
-        assert torch.equal(l_ref, l_got), (l_ref.item(), l_got.item())
-        assert g_ref.keys() == g_got.keys()
-        for name in g_ref:
-            assert torch.equal(g_ref[name], g_got[name]), name
 
 
-def _run_mode(base, mode, batches, **kwargs):
-    model = copy.deepcopy(base)
-    cfg = ActivationCheckpointConfig(mode=mode, **kwargs.pop("cfg", {}))
-    apply_activation_checkpointing(model, cfg, **kwargs)
-    torch.manual_seed(1234)  # same RNG stream for dropout in every mode
-    return _train(model, batches)
 
 
 @pytest.fixture(scope="module")
@@ -353,20 +320,20 @@ def llama_runs():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 2048, (2, 32), generator=g), torch.randint(0, 2048, (2, 32), generator=g))
                for _ in range(2)]
-    return {mode: _run_mode(base, mode, batches) for mode in MODES}, base, batches
+    return {mode: run_mode(base, mode, batches) for mode in MODES}, base, batches
 
 
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_llama_bitwise_equal_to_none(llama_runs, mode):
     runs, _, _ = llama_runs
-    _assert_bitwise(runs["none"], runs[mode])
+    assert_bitwise(runs["none"], runs[mode])
 
 
 def test_llama_op_with_forced_recompute_is_bitwise(llama_runs):
     runs, base, batches = llama_runs
-    got = _run_mode(base, "op", batches, cfg={"force_recompute_mm_fqns": ["feed_forward.w3"]},
+    got = run_mode(base, "op", batches, cfg={"force_recompute_mm_fqns": ["feed_forward.w3"]},
                     force_recompute_fqns=("layers.1.attention.wk",))
-    _assert_bitwise(runs["none"], got)
+    assert_bitwise(runs["none"], got)
 
 
 class _SquareBlock(nn.Module):
@@ -402,9 +369,9 @@ def test_toy_square_linears_bitwise_with_dropout(n_linears):
     base = _Toy(n_linears=n_linears)
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g)) for _ in range(2)]
-    ref = _run_mode(base, "none", batches)
+    ref = run_mode(base, "none", batches)
     for mode in ("full", "selective", "op"):
-        _assert_bitwise(ref, _run_mode(base, mode, batches))
+        assert_bitwise(ref, run_mode(base, mode, batches))
 
 
 def test_toy_odd_matmuls_policy_state_shared_across_calls_changes_decisions():
@@ -418,24 +385,15 @@ def test_toy_odd_matmuls_policy_state_shared_across_calls_changes_decisions():
     assert [fresh()[0].policy_fn(_Ctx(False), aten.mm.default) for _ in range(3)] == [first[0]] * 3
 
 
-def _tiny_deepseek():
-    from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3
-    args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debug"], dim=64, n_layers=2, n_dense_layers=1, inter_dim=128,
-                               moe_inter_dim=32, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
-                               qk_rope_head_dim=8, v_head_dim=16, vocab_size=256, max_seq_len=64)
-    torch.manual_seed(0)
-    model = DeepSeekV3(args)
-    model.init_weights()
-    return model
 
 
 def test_moe_blocks_bitwise_with_spec_ops():
     from models.deepseek_v3 import spec
-    base = _tiny_deepseek()
+    base = tiny_deepseek()
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
                for _ in range(2)]
-    ref = _run_mode(base, "none", batches)
+    ref = run_mode(base, "none", batches)
     for mode in ("full", "op"):
-        got = _run_mode(base, mode, batches, spec=spec)
-        _assert_bitwise(ref, got)
+        got = run_mode(base, mode, batches, spec=spec)
+        assert_bitwise(ref, got)

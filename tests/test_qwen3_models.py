@@ -238,16 +238,16 @@ def _tiny(moe: bool):
 def test_every_ac_mode_is_bitwise_equal_to_none(moe):
     """none / full / selective / op / budget (with this spec's MoE op policy) give the same
     losses and grads, bitwise in fp32, over 2 steps; the tied head stays one parameter."""
-    from tests.test_activation_checkpoint import _assert_bitwise, _run_mode
+    from tests.ac_helpers import assert_bitwise, run_mode
 
     spec, base = _tiny(moe)
     assert (base.output.weight is base.tok_embeddings.weight) == (not moe)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
                for _ in range(2)]
-    ref = _run_mode(base, "none", batches, spec=spec)
+    ref = run_mode(base, "none", batches, spec=spec)
     for mode, cfg in (("full", {}), ("selective", {}), ("op", {}), ("budget", {"budget_fraction": 0.3})):
-        _assert_bitwise(ref, _run_mode(base, mode, batches, spec=spec, cfg=cfg))
+        assert_bitwise(ref, run_mode(base, mode, batches, spec=spec, cfg=cfg))
 
 
 def test_batch_balance_loss_is_hf_switch_loss_over_top_k():

@@ -1,0 +1,77 @@
+"""Helpers shared by the activation-checkpointing tests (test_activation_checkpoint, test_ac_*,
+test_qwen3_models): small seeded models, a few AdamW steps that record the loss and every
+gradient, and the bitwise comparison every AC mode must pass against `none`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
+
+
+def clean_name(name: str) -> str:
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+def train_steps(model, batches, steps=2):
+    """Loss and every parameter grad (keyed without wrapper prefixes) for each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    record = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        inputs, target = batches[step]
+        out = model(inputs)
+        loss = F.cross_entropy(out.flatten(0, -2), target.flatten()) if target.dtype == torch.long \
+            else F.mse_loss(out, target)
+        loss.backward()
+        record.append((loss.detach().clone(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return record
+
+
+def assert_bitwise(ref, got):
+    for (l_ref, g_ref), (l_got, g_got) in zip(ref, got):
+        assert torch.equal(l_ref, l_got), (l_ref.item(), l_got.item())
+        assert g_ref.keys() == g_got.keys()
+        for name in g_ref:
+            assert torch.equal(g_ref[name], g_got[name]), name
+
+
+def run_mode(base, mode, batches, **kwargs):
+    model = copy.deepcopy(base)
+    cfg = ActivationCheckpointConfig(mode=mode, **kwargs.pop("cfg", {}))
+    apply_activation_checkpointing(model, cfg, **kwargs)
+    torch.manual_seed(1234)  # same RNG stream for dropout in every mode
+    return train_steps(model, batches)
+
+
+def tiny_deepseek():
+    from models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3
+    args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debug"], dim=64, n_layers=2, n_dense_layers=1, inter_dim=128,
+                               moe_inter_dim=32, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=16, vocab_size=256, max_seq_len=64)
+    torch.manual_seed(0)
+    model = DeepSeekV3(args)
+    model.init_weights()
+    return model
+
+
+def block_inputs(model, batch=2, seq=16):
+    torch.manual_seed(5)
+    x = torch.randn(batch, seq, model.args.dim, requires_grad=True)
+    return x, model.rope_cache[:seq]
+
+
+def seeded_llama(flavor: str = "debug_small", seed: int = 0, **overrides):
+    """A Llama 3 of `flavor` (args overridden by `overrides`), initialised under `seed`, on the CPU."""
+    from models.llama3 import LLAMA3_FLAVORS, Llama3
+
+    torch.manual_seed(seed)
+    model = Llama3(dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides))
+    model.init_weights()
+    return model
