@@ -75,3 +75,36 @@ def seeded_llama(flavor: str = "debug_small", seed: int = 0, **overrides):
     model = Llama3(dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides))
     model.init_weights()
     return model
+
+
+def token_batches(steps: int, vocab: int = 2048, shape=(2, 16), seed: int = 5) -> list:
+    """`steps` seeded (tokens, targets) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            for _ in range(steps)]
+
+
+def train_against_none(base, mode: str, batches, *, before=None, after_forward=None, after_backward=None):
+    """Trains a copy of `base` under `none` and one under `mode` (no optimizer step: gradients
+    only) and asserts every step's loss and gradients equal bitwise. `before`, `after_forward`
+    and `after_backward` run around each step of both runs. Returns (the policy, the model) of
+    the `mode` run."""
+    runs = {}
+    for run in ("none", mode):
+        model = copy.deepcopy(base)
+        policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=run))
+        runs[run] = []
+        for tokens, target in batches:
+            model.zero_grad(set_to_none=True)
+            if before:
+                before()
+            loss = F.cross_entropy(model(tokens).flatten(0, -2), target.flatten())
+            if after_forward:
+                after_forward()
+            loss.backward()
+            if after_backward:
+                after_backward()
+            runs[run].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
+    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
+        assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
+    return policy, model

@@ -124,6 +124,24 @@ class _Gated(nn.Module):
         return self.c(self.b(h) * h)
 
 
+def gated_calls(policy, branches, *counters):
+    """Runs a seeded `_Gated` block once per entry of `branches` (its `branch` for that call)
+    under `policy`, each call bitwise equal to the plain block; yields (call number from 1,
+    the block's plan, the block, its input) after each, with `counters` cleared before the
+    checkpointed call."""
+    torch.manual_seed(0)
+    block = _Gated()
+    x = torch.randn(4, 16)
+    kwargs = policy.checkpoint_kwargs(block, prefix="m")
+    for call, branch in enumerate(branches, start=1):
+        block.branch = branch
+        ref = _grads(block, (x,))
+        for counter in counters:
+            counter.clear()
+        _assert_equal(ref, _grads(block, (x,), kwargs))
+        yield call, next(iter(policy.plans.values()), None), block, x
+
+
 def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_packs(recomputed,
                                                                                        forward_dispatches,
                                                                                        monkeypatch):
@@ -133,18 +151,9 @@ def test_replayed_forward_runs_without_a_dispatch_mode_and_falls_back_on_other_p
     dispatch-mode path. Every call is bitwise equal to the plain block. (The replay's own
     recompute, through the dispatch mode: the direct recompute is off here.)"""
     monkeypatch.setattr(OpSAC, "direct_recompute", False)
-    torch.manual_seed(0)
-    block = _Gated()
-    x = torch.randn(4, 16)
     policy = OpSAC(ActivationCheckpointConfig(mode="op"))
-    kwargs = policy.checkpoint_kwargs(block, prefix="m")
-    for call, branch in enumerate((False, False, False, True, True, False), start=1):
-        block.branch = branch
-        ref = _grads(block, (x,))
-        recomputed.clear()
-        forward_dispatches.clear()
-        _assert_equal(ref, _grads(block, (x,), kwargs))
-        plan = next(iter(policy.plans.values()), None)
+    for call, plan, *_ in gated_calls(policy, (False, False, False, True, True, False), recomputed,
+                                      forward_dispatches):
         if call == 2:
             assert plan.replay is not None and len(plan.replay.kept) == 1  # a's output, cut from silu's pack
         if call == 3:
@@ -166,11 +175,7 @@ def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_
     differ, so it drops nothing (it keeps what `none` keeps, and recomputes nothing), and the
     next call is back on the dispatch-mode path. Bitwise every call."""
     from parallelisms.ac_direct import _DirectCall
-    torch.manual_seed(0)
-    block = _Gated()
-    x = torch.randn(4, 16)
     policy = OpSAC(ActivationCheckpointConfig(mode="op"))
-    kwargs = policy.checkpoint_kwargs(block, prefix="m")
     calls = collections.Counter()
     real_exit, real_rebuild = _DirectCall.__exit__, _DirectCall._rebuild
 
@@ -186,14 +191,8 @@ def test_direct_recompute_runs_only_what_backward_reads_and_falls_back_on_other_
 
     _DirectCall.__exit__, _DirectCall._rebuild = exit_, rebuild
     try:
-        for call, branch in enumerate((False, False, False, True, False), start=1):
-            block.branch = branch
-            ref = _grads(block, (x,))
-            recomputed.clear()
-            forward_dispatches.clear()
-            calls.clear()
-            _assert_equal(ref, _grads(block, (x,), kwargs))
-            plan = next(iter(policy.plans.values()), None)
+        for call, plan, *_ in gated_calls(policy, (False, False, False, True, False), recomputed,
+                                          forward_dispatches, calls):
             if call == 2:
                 assert [str(op) for op, *_ in plan.direct.steps] == ["aten.silu.default", "aten.mm.default",
                                                                        "aten.mul.Tensor"]
@@ -246,29 +245,11 @@ def test_llama_forward_is_replayed_from_the_third_step_bitwise(forward_dispatche
     3 replays it: no op reaches the caching mode, and the gradients equal `none`'s. With
     `direct`, step 3's recompute runs RMSNorm's two multiplies (twice), `wo`, the residual
     add, SiLU, `w3` and the SwiGLU product, and nothing else."""
-    import copy
     monkeypatch.setattr(OpSAC, "direct_recompute", direct)
-
-    from parallelisms.activation_checkpoint import apply_activation_checkpointing
-    from tests.ac_helpers import clean_name, seeded_llama
-    base = seeded_llama("debug_small")
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(3)]
-    runs, dispatched = {}, []
-    for mode in ("none", "op"):
-        model = copy.deepcopy(base)
-        policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode))
-        runs[mode] = []
-        for inputs, target in batches:
-            model.zero_grad(set_to_none=True)
-            forward_dispatches.clear()
-            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, -2), target.flatten())
-            dispatched.append(sum(forward_dispatches.values()))
-            loss.backward()
-            runs[mode].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
-    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs["op"]):
-        assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
+    from tests.ac_helpers import seeded_llama, token_batches, train_against_none
+    dispatched = []
+    policy, _ = train_against_none(seeded_llama("debug_small"), "op", token_batches(3), before=forward_dispatches.clear,
+                                   after_forward=lambda: dispatched.append(sum(forward_dispatches.values())))
     assert dispatched[3] > 0 and dispatched[4] > 0 and dispatched[5] == 0  # op's steps 1, 2, 3
     assert all(p.replay is not None for p in policy.plans.values()) and len(policy.plans) == 3
     steps = [[str(op) for op, *_ in p.direct.steps] if p.direct is not None else None for p in policy.plans.values()]

@@ -15,7 +15,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from parallelisms.ac_full import FullAC, FullCall
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
-from tests.test_ac_dce import _assert_equal, _Gated, _grads, forward_dispatches  # noqa: F401 (a fixture)
+from tests.test_ac_dce import _assert_equal, _Gated, _grads, forward_dispatches, gated_calls  # noqa: F401 (a fixture)
 
 aten = torch.ops.aten
 
@@ -66,27 +66,17 @@ def test_full_recompute_runs_without_rerunning_the_block_from_the_third_step(mod
     after its forward only its input (beyond weights and the RoPE table): what torch's
     checkpoint holds. Loss and gradients equal `none`'s bitwise at every step."""
     from parallelisms.ac_measure import saved_activation_bytes
-    from tests.ac_helpers import block_inputs, clean_name, seeded_llama
+    from tests.ac_helpers import block_inputs, seeded_llama, token_batches, train_against_none
     base = seeded_llama("debug_small")
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g))
-               for _ in range(4)]
-    runs, seen = {}, []
-    for run in ("none", mode):
-        model = copy.deepcopy(base)
-        policy = apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=run))
-        runs[run] = []
-        for tokens, target in batches:
-            model.zero_grad(set_to_none=True)
-            forward_dispatches.clear()
-            block_reruns.clear()
-            full_calls.clear()
-            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, -2), target.flatten())
-            loss.backward()
-            seen.append((sum(forward_dispatches.values()), block_reruns["reruns"], list(full_calls)))
-            runs[run].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
-    for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
-        assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
+    seen = []
+
+    def clear():
+        forward_dispatches.clear()
+        block_reruns.clear()
+        full_calls.clear()
+
+    policy, model = train_against_none(base, mode, token_batches(4), before=clear, after_backward=lambda: seen.append(
+        (sum(forward_dispatches.values()), block_reruns["reruns"], list(full_calls))))
     checkpointed = 3 if mode == "full" else 2  # (selective every 2: layers 0 and 2 of 3)
     assert isinstance(policy, FullAC) and len(policy.plans) == checkpointed
     (d1, r1, c1), (d2, r2, c2), (d3, r3, c3), (d4, r4, c4) = seen[4:]
@@ -107,19 +97,9 @@ def test_full_falls_back_to_torchs_recompute_when_a_calls_packs_differ(forward_d
     """Call 4 takes another branch, so its packs differ from the recorded ones: it holds no
     pack either (torch's checkpoint re-runs the block in its backward, as before), and the
     block stays on torch's checkpoint. Bitwise every call."""
-    torch.manual_seed(0)
-    block = _Gated()
-    x = torch.randn(4, 16)
     policy = FullAC(ActivationCheckpointConfig(mode="full"))
-    kwargs = policy.checkpoint_kwargs(block, prefix="m")
-    for call, branch in enumerate((False, False, False, True, False), start=1):
-        block.branch = branch
-        ref = _grads(block, (x,))
-        forward_dispatches.clear()
-        block_reruns.clear()
-        full_calls.clear()
-        _assert_equal(ref, _grads(block, (x,), kwargs))
-        plan = next(iter(policy.plans.values()))
+    for call, plan, block, x in gated_calls(policy, (False, False, False, True, False), forward_dispatches,
+                                            block_reruns, full_calls):
         if call == 3:
             assert [str(op) for op, *_ in plan.direct.steps] == ["aten.mm.default", "aten.silu.default",
                                                                    "aten.mm.default", "aten.mul.Tensor"]
