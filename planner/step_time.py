@@ -302,6 +302,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     parts = {"matmul": t_mm, "attention": t_attn, "grouped GEMM": t_grouped, "elementwise": t_ew,
              "recompute": t_recompute, "exposed comm (TP/CP/EP)": serial,
              "exposed comm (FSDP/HSDP/PP)": exposed_overlap, "pipeline bubble": t_bubble,
-             "optimizer step": t_opt, "fixed overhead": eff.step_overhead_s, "eager dispatch": t_dispatch}
+             "optimizer step": t_opt,
+             # host work per step (the loop, the optimizer's launches, clipping): shares the cores too
+             "fixed overhead": eff.step_overhead_s * oversubscribed, "eager dispatch": t_dispatch}
     return StepTime(plan, parts, colls, tokens_per_step=plan.global_batch * seq_len,
                     flops_per_token=w.flops_per_token(seq_len), peak_flops=hw.bf16_tflops * 1e12)

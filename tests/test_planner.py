@@ -184,6 +184,8 @@ def test_fixed_cost_terms_count_block_passes_and_collective_calls():
         plain, fixed = predict(plan, w, base, 128, compute_bytes=4), predict(plan, w, costly, 128, compute_bytes=4)
         per_mb = 0.003 * w.n_layers + 0.002 * units  # blocks, and FSDP's hooks per unit
         assert fixed.parts["eager dispatch"] == pytest.approx(per_mb * plan.n_microbatches * stretch)
+        # the step's host work shares the cores as the dispatch does
+        assert fixed.parts["fixed overhead"] == pytest.approx(costly.efficiency.step_overhead_s * stretch)
         gather = next(c for c in fixed.collectives if c.name == "FSDP all-gather")
         plain_gather = next(c for c in plain.collectives if c.name == "FSDP all-gather")
         # forward and backward; the norm + head unit stays gathered from forward into backward
