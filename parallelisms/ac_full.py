@@ -17,9 +17,12 @@ that machinery cost about 8.5 points of step time beyond the recomputed FLOPs, a
   them, under no_grad, with no module code;
 - if a call's packs differ from the recorded ones, they are handed to the checkpoint's own
   pack hook when its forward ends (holders, no tensors), and its backward goes to torch's
-  checkpoint, which re-runs the block as before: exact, and no more memory than torch's
-  `full` (the direct path of `op` keeps every pack then). The block stays on torch's
-  checkpoint after.
+  checkpoint, which re-runs the block as before: exact, and, once the forward has ended, no
+  more memory than torch's `full` (the direct path of `op` keeps every pack then). The block
+  stays on torch's checkpoint after.
+- while a block's forward runs, its packs are held until the forward ends (as by `none`, one
+  block at a time); torch's checkpoint drops them as they come. The backward's rebuild holds
+  the same set, so the step's peak does not grow (tests/test_memory_estimate.py).
 
 torch's checkpoint runs (from the first call) under compile, and from call 3 where the direct
 recompute is not built: a step that draws random numbers, is not aten (collectives: EP, CP),
@@ -65,7 +68,7 @@ class FullCall(_DirectCall):
     `_DirectCall` with nothing cached. If the call's packs differ from the recorded ones,
     its packs are handed, in order, to the checkpoint's own pack hook when the forward ends
     (a holder each, no tensor), and its unpacks go to torch's checkpoint, which re-runs the
-    block; nothing is held but what torch's checkpoint holds."""
+    block; after the forward, nothing is held but what torch's checkpoint holds."""
 
     __slots__ = ("outer_pack", "outer_unpack", "fell_back")
 

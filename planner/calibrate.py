@@ -115,16 +115,17 @@ def block_dispatch_weight(cfg) -> float:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                torch.manual_seed(0)
-                model = build_model(cfg.model_spec, cfg.model_args)
-                model.to_empty(device="cpu")
-                model.init_weights()
-                reference = _debug_llama()
-                own, ref = [], []
-                for _ in range(3):  # interleaved, fastest of each: a load spike only slows a pass
-                    own.append(_block_pass_s(model, cfg, min_time=0.2))
-                    ref.append(_block_pass_s(*reference, min_time=0.2))
-                _WEIGHTS[key] = min(own) / min(ref)
+                with torch.random.fork_rng():  # the caller's random state is left as it was
+                    torch.manual_seed(0)
+                    model = build_model(cfg.model_spec, cfg.model_args)
+                    model.to_empty(device="cpu")
+                    model.init_weights()
+                    reference = _debug_llama()
+                    own, ref = [], []
+                    for _ in range(3):  # interleaved, fastest of each: a load spike only slows a pass
+                        own.append(_block_pass_s(model, cfg, min_time=0.2))
+                        ref.append(_block_pass_s(*reference, min_time=0.2))
+                    _WEIGHTS[key] = min(own) / min(ref)
             finally:
                 torch.set_num_threads(threads)
     return _WEIGHTS[key]

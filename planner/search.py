@@ -106,6 +106,8 @@ class Search:
                             continue
                         scheds = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
                         for sched, spr in scheds:
+                            if pp * spr > w.n_layers:  # a stage needs a block (check_pipeline_layout)
+                                continue
                             for mb in ((1, 2) if pp > 1 else (1,)):
                                 for rep in _pow2_upto(dp):
                                     shard = dp // rep

@@ -99,27 +99,28 @@ class StepTime:
         return max((k for k in groups if k != "compute"), key=groups.get)
 
 
-def busiest_pp_rank(plan: Plan, w: Workload) -> tuple[list[int], bool]:
-    """The blocks of the PP rank with the most matmul work, and whether it holds the head: the
-    trainer's own split (parallelisms/pipeline.py: stages balanced with the embedding and the
-    head weighing a block each; a rank's stages looped, or V-shaped for the V schedules)."""
+def busiest_pp_rank(plan: Plan, w: Workload) -> tuple[list[int], bool, bool]:
+    """The blocks of the PP rank with the most matmul work, and whether it holds the embedding
+    and the head (with the final norm): the trainer's own split (parallelisms/pipeline.py: stages
+    balanced with the embedding and the head weighing a block each; a rank's stages looped, or
+    V-shaped for the V schedules)."""
     if plan.pp == 1:
-        return list(range(w.n_layers)), True
+        return list(range(w.n_layers)), True, True
     from parallelisms.parallel_dims import V_SCHEDULES
     from parallelisms.pipeline import stage_block_counts, stage_ids_for_rank
 
     stages = plan.pp * plan.stages_per_rank
     counts = stage_block_counts(w.n_layers, stages)
     starts = [sum(counts[:s]) for s in range(stages)]
-    best = (-1.0, [], False)
+    best = (-1.0, [], False, False)
     for rank in range(plan.pp):
         ids = stage_ids_for_rank(rank, plan.pp, plan.stages_per_rank, plan.schedule in V_SCHEDULES)
         blocks = [i for s in ids for i in range(starts[s], starts[s] + counts[s])]
         head = stages - 1 in ids
         work = sum(w.layer_dense[i] + w.layer_active_experts[i] for i in blocks) + (w.head if head else 0)
         if work > best[0]:
-            best = (work, blocks, head)
-    return best[1], best[2]
+            best = (work, blocks, 0 in ids, head)
+    return best[1:]
 
 
 def _link(span: int, hw: Hardware) -> tuple[str, float]:
@@ -144,11 +145,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     n_mb = plan.n_microbatches
     tokens_mb = plan.samples_per_microbatch * seq_len  # one microbatch of one data-parallel rank
     tok = n_mb * tokens_mb / shard  # this rank's share of the tokens it processes per step
-    layers, holds_head = busiest_pp_rank(plan, w)
-    layer_share = len(layers) / w.n_layers
-
-    def share(total: float) -> float:
-        return total * layer_share
+    layers, holds_embedding, holds_head = busiest_pp_rank(plan, w)
+    L = len(layers)
 
     head_mm = w.head if holds_head else 0
     mm_flops = tok * (w.matmul_flops_per_token(layers) + 6.0 * head_mm)
@@ -163,7 +161,6 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
 
     # elementwise bytes per token per block, forward: 2 norms (r+w), 2 residual adds (2r+w),
     # RoPE on q and k (r+w), SwiGLU (2r+w of the hidden); backward about twice that.
-    L = w.n_layers * layer_share
     fwd_ew = esize * (4 * w.dim + 6 * w.dim + 2 * w.qkvo_width // 2 + 3 * w.ffn_hidden)
     ew_bytes = tok * L * 3 * fwd_ew
     loss_shards = tp if tp > 1 else 1
@@ -188,8 +185,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     fsdp = plan.dp_shard * cp
     sharded = plan.dp_shard * cp * plan.dp_replicate > 1
     # FSDP units (parallelisms/fsdp.py): the embedding, each block, and the final norm + head
-    # (a tied head shares the embedding's); under PP the busiest stage holds one end.
-    end_units = 1 if (pp > 1 or w.tied_head) else 2
+    # (a tied head shares the embedding's), where the rank holds them
+    end_units = 1 if w.tied_head and pp == 1 else holds_embedding + holds_head
     fsdp_units = L + end_units if sharded else 0.0
     t_dispatch = (eff.block_overhead_s * dispatch_x * L + eff.fsdp_unit_overhead_s * fsdp_units) * n_mb * oversubscribed
 
@@ -212,9 +209,10 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls, kind))
 
     head = 0 if w.tied_head else w.head
-    stage_params = (share(sum(w.layer_dense) + sum(w.layer_norms)) + head + w.other_params
-                    + w.embedding / max(1, pp))
-    stage_experts = share(sum(w.layer_experts))
+    stage_params = (sum(w.layer_dense[i] + w.layer_norms[i] for i in layers) + w.embedding * holds_embedding
+                    + (head + w.other_params) * holds_head)
+    stage_experts = sum(w.layer_experts[i] for i in layers)
+    moe_blocks = sum(1 for i in layers if w.layer_experts[i])
     dense_unit = stage_params / tp  # gathered bytes per all-gather of the rank's dense params
     expert_unit = stage_experts / ep  # routed experts: split over EP; not TP-sharded
     efsdp = plan.dp_shard * cp * tp // ep if ep > 1 else fsdp
@@ -226,17 +224,16 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         ungathered = 0.0
     else:  # forward and backward, but the norm + head unit stays gathered from forward into backward
         gathers, gather_calls = 2 * n_mb, n_mb * (2 * fsdp_units - (end_units - 1))
-        ungathered = n_mb * (head / tp + w.dim) if end_units == 2 else 0.0
+        ungathered = n_mb * (head / tp + w.dim) if holds_head and end_units == 2 else 0.0
     add("FSDP all-gather", (gathers * dense_unit - ungathered) * g8 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
         gather_calls)
     add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
         reduces * fsdp_units)
     if stage_experts:
-        moe_units = w.moe_layers * layer_share
         add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
-            (2 * n_mb if pp == 1 else 1) * moe_units)
+            (2 * n_mb if pp == 1 else 1) * moe_blocks)
         add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
-            reduces * moe_units)
+            reduces * moe_blocks)
     r = plan.dp_replicate
     if r > 1:
         shard_bytes = 4 * (dense_unit / fsdp + (expert_unit / efsdp if stage_experts else 0))
@@ -249,16 +246,17 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         # gathers again (full AC stops early, before the MLP's reduce-scatter; op AC saves neither
         # reduce-scatter)
         recomputes = plan.ac in ("full", "op", "budget")
-        ends = n_mb * (2 if pp == 1 else 1)
+        ends = n_mb * (holds_embedding + holds_head)
         for kind, per in (("all-gather", 4 + 2 * recomputes), ("reduce-scatter", 4 + (plan.ac == "full"))):
             add(f"TP/SP {kind}", (n_mb * n_blocks * per + ends) * act * (tp - 1) / tp, tp, tp, False,
                 n_mb * n_blocks * per + ends)
         # Partial gradients of the replicated weights on sequence shards (the norms): one
         # all-reduce per step without FSDP (grad_reduce.py), one per norm weight with it (FSDP2's)
-        norm_calls = reduces * (2 * n_blocks + 1) if sharded else 1
+        norm_calls = reduces * (2 * n_blocks + holds_head) if sharded else 1
         # loss parallel: the vocab-sharded cross-entropy's max, sum and target logits
-        add("TP gradient and loss all-reduces", 4 * (share(sum(w.layer_norms)) + w.dim + 3 * n_mb * tokens_mb / cp),
-            tp, tp, False, norm_calls + 4 * n_mb, "all_reduce")
+        add("TP gradient and loss all-reduces",
+            4 * (sum(w.layer_norms[i] for i in layers) + w.dim + 3 * n_mb * tokens_mb / cp * holds_head),
+            tp, tp, False, norm_calls + 4 * n_mb * holds_head, "all_reduce")
     if cp > 1:
         full = plan.ac == "full"  # op AC saves CP's collectives (CP_SAVE_OPS); full re-runs them
         if plan.cp_method == "allgather":  # K and V in one gather forward, their grads reduce-scattered backward
@@ -272,10 +270,9 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
             add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False,
                 n_mb * n_blocks * per * 2)
     if ep > 1 and w.moe_layers:
-        moe_blocks = w.moe_layers * layer_share
         rows = tokens_mb / shard * w.top_k * w.dim * esize  # routed rows this rank sends per MoE layer
         per = 4 + (2 if plan.ac == "full" else 0)  # rows out and back, forward and backward
-        # and the forward's exchange of the split sizes (the recompute reuses them)
+        # and the forward's exchange of the split sizes (full AC's recompute exchanges them again)
         add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False,
             n_mb * moe_blocks * (per + (2 if plan.ac == "full" else 1)))
     if pp > 1:

@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
     from planner.hardware import get_hardware
 
     quick = "--quick" in argv
-    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
+    rounds = max(1, int(argv[argv.index("--rounds") + 1])) if "--rounds" in argv else 2
     hw = get_hardware("cpu-gloo")
     rows = cases(quick)
     models: dict = {}

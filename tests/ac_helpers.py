@@ -35,6 +35,7 @@ def train_steps(model, batches, steps=2):
 
 
 def assert_bitwise(ref, got):
+    assert len(ref) == len(got)
     for (l_ref, g_ref), (l_got, g_got) in zip(ref, got):
         assert torch.equal(l_ref, l_got), (l_ref.item(), l_got.item())
         assert g_ref.keys() == g_got.keys()
@@ -105,6 +106,8 @@ def train_against_none(base, mode: str, batches, *, before=None, after_forward=N
             if after_backward:
                 after_backward()
             runs[run].append((loss.detach(), {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(runs["none"]) == len(runs[mode]) == len(batches)
     for (loss_ref, grads_ref), (loss, grads) in zip(runs["none"], runs[mode]):
+        assert grads_ref.keys() == grads.keys()
         assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
     return policy, model

@@ -4,6 +4,7 @@ predicted memory of two cheap layouts against a measured step."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -268,8 +269,8 @@ def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch)
 def test_the_busiest_pipeline_rank_follows_the_trainers_split():
     """6 blocks in 4 stages split [1, 2, 2, 1] (the ends weigh a block each): looped over 2 ranks,
     rank 1 holds stages 1 and 3, blocks 1, 2 and 5 and the head; rounding each stage up to 2
-    blocks had counted 4. V-shaped (ZBV), rank 0 holds stages 0 and 3 (blocks 0 and 5, the head),
-    rank 1 stages 1 and 2: four blocks, the busier."""
+    blocks had counted 4. V-shaped (ZBV), rank 0 holds stages 0 and 3 (blocks 0 and 5, the
+    embedding and the head), rank 1 stages 1 and 2: four blocks and neither end, the busier."""
     from planner.layout import Plan
     from planner.step_time import busiest_pp_rank
     from planner.workload import workload_of
@@ -278,7 +279,27 @@ def test_the_busiest_pipeline_rank_follows_the_trainers_split():
     w = workload_of(load_config(["--config", "llama_debug.toml"]))
     assert w.n_layers == 6
     looped = Plan(2, 1, 1, pp=2, schedule="Interleaved1F1B", stages_per_rank=2, local_batch=2)
-    assert busiest_pp_rank(looped, w) == ([1, 2, 5], True)
+    assert busiest_pp_rank(looped, w) == ([1, 2, 5], False, True)
     v_shape = Plan(2, 1, 1, pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, local_batch=2)
-    assert busiest_pp_rank(v_shape, w) == ([1, 2, 3, 4], False)
-    assert busiest_pp_rank(Plan(2, 1, 1, pp=2, local_batch=2), w) == ([3, 4, 5], True)
+    assert busiest_pp_rank(v_shape, w) == ([1, 2, 3, 4], False, False)
+    assert busiest_pp_rank(Plan(2, 1, 1, pp=2, local_batch=2), w) == ([3, 4, 5], False, True)
+
+
+def test_every_skeleton_of_a_pipeline_search_is_predicted():
+    """The search predicts each skeleton before the validators see it, so it must only yield
+    layouts with a block per pipeline stage: 3 blocks on 4 ranks allow PP 2 with one stage per
+    rank, not the two-stage-per-rank schedules (which raised in the trainer's own split)."""
+    from planner.cli import space_for
+    from planner.hardware import KNOWN
+    from planner.search import Search
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    cfg = load_config([*DEBUG, "--model.flavor", "debug_small"])
+    w = workload_of(cfg)
+    assert w.n_layers == 3
+    hw = KNOWN["h100-sxm"]
+    search = Search(cfg, [], w, hw, 4, 128, 8, space_for({"compile": None, "float8": None, "ac": None}, hw), None)
+    skels = list(search.skeletons())
+    assert {(s.pp, s.stages_per_rank) for s in skels} == {(1, 1), (2, 1)}
+    assert all(math.isfinite(search.optimistic(s)) for s in skels)
