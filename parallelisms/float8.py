@@ -72,7 +72,9 @@ class Float8Config:
                                   "enable_fsdp_float8_all_gather are set; set --float8.enable true or unset them")
             return
         require_torchao()
-        if self.moe_grouped_gemm and getattr(root.model_args, "n_routed_experts", None) is None:
+        from parallelisms.expert_parallel import routed_experts
+
+        if self.moe_grouped_gemm and not routed_experts(root.model_args):
             raise ConfigError("config error: float8.moe_grouped_gemm: the model has no routed experts (nothing to "
                               "convert); set --float8.moe_grouped_gemm false")
         if self.moe_grouped_gemm and root.optimizer.name == "muon":

@@ -80,6 +80,9 @@ def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batc
 
         check_expert_parallel_layout(model_args, ep=cfg.expert_parallel_degree, tp=tp,
                                      sequence_parallel=cfg.enable_sequence_parallel)
+        if model_spec is not None and model_spec.expert_parallel_fn is None:
+            raise ConfigError(f"config error: parallelism.expert_parallel_degree: {model_spec.name} has no EP plan; "
+                              "set it to 1")
 
 
 # Schedules that run one stage per rank, and those that need exactly two (a "V").
