@@ -55,6 +55,13 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
     return x.to(g.dtype)
 
 
+def ns_flops(m: int, n: int, steps: int = 5) -> int:
+    """FLOPs of `newton_schulz` on one m x n matrix (a = min(m, n), b = max): per iteration
+    the Gram matrix (2 a^2 b), its square (2 a^3) and the product with X (2 a^2 b)."""
+    a, b = min(m, n), max(m, n)
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
 def update_scale(shape: torch.Size, mode: str, rms_factor: float) -> float:
     """Multiplier of the orthogonalised update of one matrix of `shape` (2-D [out, in], or
     3-D grouped experts [E, in, out])."""
