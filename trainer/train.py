@@ -121,7 +121,8 @@ class Trainer:
         set_aux_loss_sequences(self.model_parts, self.global_batch_size)
 
         # ---- optimizer, schedule, checkpoint, metrics ----
-        self.optimizers = [build_optimizer(p, cfg.optimizer, self.device.type) for p in self.model_parts]
+        self.optimizers = [build_optimizer(p, cfg.optimizer, self.device.type, whole_model=built.whole_model_params)
+                           for p in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(o, t.steps, cfg.lr_scheduler) for o in self.optimizers]
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, model_parts=self.model_parts,
                                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
