@@ -60,12 +60,16 @@ def _is_shard(p) -> bool:
     return isinstance(p, Shard) or _is_strided(p)  # _StridedShard is no Shard subclass in torch 2.13
 
 
+def matrix_shard_ranks(t: torch.Tensor) -> int:
+    """The ranks among which each matrix (the last two dims) of `t` is split: 1 when whole here."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if _is_shard(p) and p.dim >= t.ndim - 2)
+
+
 def needs_assembly(t: torch.Tensor) -> bool:
     """True for a DTensor one of whose matrix dims (the last two) is sharded over > 1 rank."""
-    if not isinstance(t, DTensor):
-        return False
-    return any(_is_shard(p) and p.dim >= t.ndim - 2 and t.device_mesh.size(i) > 1
-               for i, p in enumerate(t.placements))
+    return matrix_shard_ranks(t) > 1
 
 
 def chunk_size(n: int, g: int, j: int) -> int:
@@ -122,12 +126,15 @@ def _scatter_matrix_dim(y: torch.Tensor, group, me: int, dim: int, sizes: list[i
     -> [rows, ..., sizes[me], ...]."""
     g = len(sizes)
     chunks = [chunk_size(rows, g, j) for j in range(g)]
-    send = [t.contiguous().view(-1) for t in y.split(sizes, dim=dim)]
+    pieces = y.split(sizes, dim=dim)
+    send, start = y.new_empty(y.numel()), 0
+    for t in pieces:  # one send buffer, each member's slice contiguous in it (no second copy)
+        send[start:start + t.numel()].view(t.shape).copy_(t)
+        start += t.numel()
     shape = _with((rows, *y.shape[1:]), dim, sizes[me])
     per_row = math.prod(shape[1:])
     out = y.new_empty(math.prod(shape))
-    dist.all_to_all_single(out, torch.cat(send), [c * per_row for c in chunks], [t.numel() for t in send],
-                           group=group)
+    dist.all_to_all_single(out, send, [c * per_row for c in chunks], [t.numel() for t in pieces], group=group)
     return out.view(shape)
 
 
@@ -162,4 +169,4 @@ def orthogonalize(updates: list[torch.Tensor], params: list[torch.Tensor],
     return out
 
 
-__all__ = ["orthogonalize", "needs_assembly", "chunk_size"]
+__all__ = ["orthogonalize", "needs_assembly", "matrix_shard_ranks", "chunk_size"]

@@ -2,7 +2,8 @@
 
 What is summed, and why in this shape (docs/memory.md has the full table):
 
-- persistent: fp32 parameters and AdamW's two moments (gradients are not persistent: they
+- persistent: fp32 parameters and the optimizer's states (AdamW's two moments, Muon's
+  momentum: trainer/memory/optimizer_terms.py) (gradients are not persistent: they
   count in the backward phases, where they are allocated), each at this rank's local size as the assembly holds it (`to_local()` of every parameter after TP, EP
   and FSDP); under PP the pipeline rank with the most;
 - FSDP buffers: the gathered units (FSDP's own all-gather sizes, padding included,
@@ -23,6 +24,7 @@ import torch
 
 from trainer.memory.assemble import Layout, default_world_size, resolve_layout
 from trainer.memory.device_overhead import GpuOverheads, gpu_overhead_terms
+from trainer.memory.optimizer_terms import optimizer_terms
 from trainer.memory.probes import BlockProbe
 from trainer.memory.rank_facts import (  # noqa: F401 - re-exported: the readers lived here
     BlockReadout,
@@ -62,7 +64,8 @@ class MemoryEstimate:
     loss_peak: int  # peak of the logits/loss region (forward or backward), incl. what it keeps
     loss_peak_other: int | None  # the same for the other CE path (None: that path is refused here)
     block_backward: int  # transient of one block's backward (recompute + grad buffers)
-    optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params)
+    optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params; Muon's NS)
+    optimizer_states: str = "AdamW: 2 x fp32"  # what `optimizer` holds, for the report
     phases: dict = field(default_factory=dict)  # step phase -> bytes above the persistent state
     notes: list = field(default_factory=list)
     # CUDA only: what the GPU spends beyond tensors (trainer/memory/device_overhead.py)
@@ -205,8 +208,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     precision, stage_layers, dtype = facts.precision, facts.stage_layers, facts.dtype
     heavy = max(per_rank, key=lambda r: r.param_bytes)
     p_bytes = heavy.param_bytes
-    opt_states = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
-    grads, optimizer = p_bytes, opt_states * p_bytes
+    opt = optimizer_terms(cfg, heavy.matrices, p_bytes, device, _optimizer_impl(cfg, device))
+    grads, optimizer = p_bytes, opt.states
     offload = layout.fsdp and par.fsdp_cpu_offload
     if offload:
         notes.append("fsdp_cpu_offload: sharded params, grads and optimizer states live in host memory (not counted)")
@@ -268,14 +271,14 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         worst_block = pr_last.backward_extra
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
-    opt_tmp = p_bytes if _optimizer_impl(cfg, device) == "foreach" else 0
+    opt_tmp = opt.step
     phases["optimizer step"] = grads + opt_tmp
     if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:
         notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding (params, "
                      "grads and optimizer states are whole on every rank of the TP/PP group); pass --ngpu (e.g. "
                      "several nodes) to lay the config out with FSDP")
-    if offload:
-        phases["optimizer step"] = 0
+    if offload:  # Muon's assembly and NS still run on the device
+        phases["optimizer step"] = opt_tmp = opt.device_step
         p_bytes, grads, optimizer = 0, 0, 0
     if cfg.compile.enable:
         notes.append("compile.enable: counted as eager execution (the compiled blocks may keep less)")
@@ -303,6 +306,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
         block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
+        optimizer_states="Muon: 1, AdamW: 2 x fp32" if cfg.optimizer.name == "muon" else "AdamW: 2 x fp32",
         notes=notes, device_terms=device_terms)
 
 
@@ -328,7 +332,7 @@ def format_estimate(est: MemoryEstimate) -> str:
         "",
         f"  {'parameters (fp32, sharded)':<44}{fmt_bytes(est.params):>12}",
         f"  {'gradients (fp32, sharded)':<44}{fmt_bytes(est.grads):>12}",
-        f"  {'optimizer states (AdamW: 2 x fp32)':<44}{fmt_bytes(est.optimizer):>12}",
+        f"  {'optimizer states (' + est.optimizer_states + ')':<44}{fmt_bytes(est.optimizer):>12}",
         f"  {'FSDP gathered params / reduce buffers':<44}{fmt_bytes(est.fsdp_buffers):>12}",
     ]
     for k, v in est.activations_per_block.items():

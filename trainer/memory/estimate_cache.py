@@ -129,7 +129,9 @@ def _relabel(p: RankParams, ids: dict) -> RankParams:
         return f"layers.{ids[int(k.split('.')[1])]}" if k.startswith("layers.") else k
 
     return RankParams(p.param_bytes, {unit(k): v for k, v in p.unit_bytes.items()}, p.head_param_bytes,
-                      {ids[k]: v for k, v in p.matrix_numel.items()})
+                      {ids[k]: v for k, v in p.matrix_numel.items()},
+                      {(f"layers.{ids[int(k.split('.')[1])]}.{k.split('.', 2)[2]}" if k.startswith("layers.") else k): v
+                       for k, v in p.matrices.items()})
 
 
 class EstimateCache:
