@@ -3,7 +3,9 @@
 FSDP 2, TP 2, EP 2 (DeepSeek debug and Qwen3 MoE debug: experts whole on each rank, so
 each expert's matrices are orthogonalised where they live) and PP 2 in one 2-rank
 torchrun launch, with FSDP 2 under fsdp_cpu_offload and PP 2 whose `muon_params` patterns
-each match one stage's blocks only (checked over the whole model, not per stage), FSDP 2 x
+each match one stage's blocks only (checked over the whole model, not per stage), and Qwen3
+MoE under EP 2 with the balance loss pooled over its layers (the pick counts summed over
+the data ranks: one rank's loss and gradients), FSDP 2 x
 TP 2 in a 4-rank one, against one-rank references: 5 steps
 in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
 last-step grads and post-step params within 1e-5 (tests/test_parallel_layouts.py's
@@ -34,6 +36,8 @@ LB, TP, EP = "--training.local_batch_size", "--parallelism.tensor_parallel_degre
 
 # Each pattern matches blocks of one PP stage only (debug_small: 3 blocks over 2 stages).
 SPLIT = ["--optimizer.muon_params", "layers.0.*,layers.2.*"]
+# HF's balance loss, one over every MoE layer (models/common/moe_pool.py), at a weight that moves the routers.
+POOLED = ["--moe.aux_loss_scope", "model", "--moe.aux_loss_coeff", "0.5"]
 # name -> (world, flavor, extra args); local_batch_size x dp = 4 everywhere.
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_fsdp2": (2, "debug_small", [LB, "2", "--checkpoint.interval", "3"]),
@@ -44,9 +48,10 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_fsdp2_tp2": (4, "debug_small", [LB, "2", TP, "2"]),
     "muon_fsdp2_offload": (2, "debug_small", [LB, "2", "--parallelism.fsdp_cpu_offload", "true"]),
     "muon_pp2_split_patterns": (2, "debug_small", [LB, "4", *PP2, *SPLIT]),
+    "muon_ep2_qwen3_moe_pooled": (2, "qwen3_moe", [LB, "2", EP, "2", *POOLED]),
 }
-# A layout's reference runs with these Muon args too (default: none).
-REF_ARGS = {"muon_pp2_split_patterns": SPLIT}
+# A layout's reference runs with these args too (default: none).
+REF_ARGS = {"muon_pp2_split_patterns": SPLIT, "muon_ep2_qwen3_moe_pooled": POOLED}
 # name -> (world, layout resumed from its step-3 checkpoint, the new layout's args)
 RESUMES: dict[str, tuple[int, str, list[str]]] = {
     "muon_resume_fsdp2": (2, "muon_fsdp2", LAYOUTS["muon_fsdp2"][2]),

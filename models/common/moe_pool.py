@@ -80,6 +80,7 @@ class PooledBalanceLoss(torch.autograd.Function):
         return g, grad, None, None, None, None
 
 
+@torch.compiler.disable  # eager: its backward reads the pool at backward time, which a traced graph would bake in
 def pooled_balance_loss(out: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, weight: float,
                         count_reduce, logged: torch.Tensor) -> torch.Tensor:
     """`out` with the pooled loss attached: probs [N, E] (normalised scores), ids [N, K] picks."""
