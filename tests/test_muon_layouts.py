@@ -6,7 +6,7 @@ torchrun launch, with FSDP 2 under fsdp_cpu_offload and PP 2 whose `muon_params`
 each match one stage's blocks only (checked over the whole model, not per stage), and Qwen3
 MoE under EP 2 with the balance loss pooled over its layers (the pick counts summed over
 the data ranks: one rank's loss and gradients), FSDP 2 x
-TP 2 in a 4-rank one, against one-rank references: 5 steps
+TP 2 (Llama, and DeepSeek: MLA's and the experts' TP plans) and HSDP 2 x 2 in a 4-rank one, against one-rank references: 5 steps
 in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
 last-step grads and post-step params within 1e-5 (tests/test_parallel_layouts.py's
 measures). FSDP and TP shard the hidden matrices, so these pass only if every matrix is
@@ -46,6 +46,8 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_ep2_qwen3_moe": (2, "qwen3_moe", [LB, "2", EP, "2"]),
     "muon_pp2": (2, "debug_small", [LB, "4", *PP2]),
     "muon_fsdp2_tp2": (4, "debug_small", [LB, "2", TP, "2"]),
+    "muon_fsdp2_tp2_deepseek": (4, "ds_debug", [LB, "2", TP, "2"]),  # MLA's and the experts' TP plans
+    "muon_hsdp2x2": (4, "debug_small", [LB, "1", "--parallelism.data_parallel_replicate_degree", "2"]),
     "muon_fsdp2_offload": (2, "debug_small", [LB, "2", "--parallelism.fsdp_cpu_offload", "true"]),
     "muon_pp2_split_patterns": (2, "debug_small", [LB, "4", *PP2, *SPLIT]),
     "muon_ep2_qwen3_moe_pooled": (2, "qwen3_moe", [LB, "2", EP, "2", *POOLED]),
