@@ -5,9 +5,9 @@ each expert's matrices are orthogonalised where they live) and PP 2 in one 2-ran
 torchrun launch, with FSDP 2 under fsdp_cpu_offload and PP 2 whose `muon_params` patterns
 each match one stage's blocks only (checked over the whole model, not per stage), and Qwen3
 MoE under EP 2 with the balance loss pooled over its layers (the pick counts summed over
-the data ranks: one rank's loss and gradients), FSDP 2 x
-TP 2 (Llama, and DeepSeek: MLA's and the experts' TP plans) and HSDP 2 x 2 in a 4-rank one, against one-rank references: 5 steps
-in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
+the data ranks: one rank's loss and gradients); FSDP 2 x TP 2 (Llama, and DeepSeek: MLA's
+and the experts' TP plans) and HSDP 2 x 2 in a 4-rank one; against one-rank references: 5
+steps in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
 last-step grads and post-step params within 1e-5 (tests/test_parallel_layouts.py's
 measures). FSDP and TP shard the hidden matrices, so these pass only if every matrix is
 orthogonalised whole (parallelisms/muon_assembly.py): NS of a shard is not a shard of NS.
