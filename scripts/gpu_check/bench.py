@@ -165,6 +165,7 @@ def measure(args: list[str], dev: torch.device, rows, config: str, label: str, *
     rows.progress(config, f"{label}: build")
     with captured_ac_policies() as policies:
         trainer = Trainer(cfg)
+    step = None
     try:
         if inspect is not None:
             inspect(trainer)
@@ -209,6 +210,11 @@ def measure(args: list[str], dev: torch.device, rows, config: str, label: str, *
                 "loss_finite": all(math.isfinite(x) for x in step.loss + step.grad_norm), "run": step.run(),
                 "ac": ac_paths(policies), "finish": done}
     finally:
+        # Nothing may keep this trainer (or a plan's recorded tensors) alive into the next
+        # build: its memory would count in the next config's peaks.
+        if step is not None:
+            step.trainer = None
+        policies.clear()
         trainer.close(destroy_process_group=False)
         del trainer
         gc.collect()

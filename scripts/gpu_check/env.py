@@ -19,7 +19,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from gpu_check.common import device, reason, sync
+from gpu_check.common import device, generator, randn, reason, sync
 from gpu_check.rows import write_json
 
 import torch
@@ -111,8 +111,8 @@ def _sdpa_row(dev, dtype, q_shape, k_shape, v_shape, kind: str) -> tuple[str, st
     from models.common.attention import SDPA
     from parallelisms.context_parallel import attend_prefix, lower_right_mask
 
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(s, device=dev, generator=gen).to(dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
+    gen = generator(dev)
+    q, k, v = (randn(*s, dev=dev, gen=gen, dtype=dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
     gqa = q_shape[1] != k_shape[1]
     mask = torch.ones(q_shape[2], k_shape[2], dtype=torch.bool, device=dev).tril(k_shape[2] - q_shape[2])
     try:
