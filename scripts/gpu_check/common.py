@@ -42,9 +42,10 @@ def randn(*shape, dev: torch.device, gen: torch.Generator, dtype=torch.float32, 
 
 @contextlib.contextmanager
 def tf32():
-    """fp32 matmuls in TF32 (`torch.set_float32_matmul_precision("high")`, the API that
-    sets both of torch's TF32 switches) for fp32 references: 8x faster on an H200 than
-    IEEE fp32, and 2^-11 relative, far inside the bf16 tolerances they check."""
+    """fp32 matmuls in TF32 (`torch.set_float32_matmul_precision("high")`: cuBLAS's TF32, set
+    through the one API that torch 2.9+ does not mix up with its newer `fp32_precision`
+    switches) for fp32 references: ~7x IEEE fp32's speed on an H200, and 2^-11 relative,
+    far inside the bf16 tolerances they check."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:

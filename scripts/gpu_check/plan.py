@@ -177,6 +177,8 @@ def plan_lines() -> list[str]:
              f"{f' (--dry: as {s.dry_as})' if s.dry_as else ''}\n{'':36s}= {s.basis()}" for s in PLAN]
     lines.append(f"core budgets: {CORE_BUDGET_S} s of the {DEADLINE_S} s deadline ({DEADLINE_S - CORE_BUDGET_S} s "
                  f"headroom, {HEADROOM_S} s required); extras run only with their whole budget left")
+    lines += ["the costs (seconds; estimates until a GPU run's status.json gives each section's wall_s):"] + \
+        [f"  {name} {cost:g}: {basis}" for name, (cost, basis) in COSTS.items()]
     return lines
 
 
