@@ -87,7 +87,7 @@ def reference_plan(plan: Plan) -> Plan:
         mb, lb = 1, 1
     world = rep * d0 * plan.cp * plan.tp * plan.pp
     return dataclasses.replace(plan, world=world, dp_replicate=rep, dp_shard=d0, microbatch=mb, local_batch=lb,
-                               grad_accum=1, float8=False, compile=False)
+                               grad_accum=1, float8=False, float8_all_gather=False, compile=False)
 
 
 # AC modes whose references are estimated lazily: the EP-skewed probe and the second point
@@ -211,6 +211,12 @@ class MemoryModel:
         entry = self._entry(plan)
         self._complete(entry, second=True)
         return entry.plan, entry.est, entry.est2
+
+    def exact(self, plan: Plan) -> PlanMemory:
+        """The estimator on `plan` itself (its fast path: the full estimator's bytes), as a
+        PlanMemory (`--predict`)."""
+        est, = self._estimate([plan], [self.overheads])
+        return scale(est, plan, plan)
 
     def cached(self, plan: Plan) -> bool:
         return structural_key(plan) in self.cache

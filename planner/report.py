@@ -20,12 +20,13 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
-def table(results, capacity: float, title: str) -> str:
+def table(results, hbm: float, title: str) -> str:
+    """`hbm`: the device's memory in bytes (the column shows the share of it left free)."""
     lines = [title, "",
-             "| # | layout | AC | options | memory/rank GiB (margin) | tokens/s/GPU | MFU | step s | bottleneck |",
+             "| # | layout | AC | options | memory/rank GiB (free) | tokens/s/GPU | MFU | step s | bottleneck |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):
-        margin = 1 - r.memory.total / capacity
+        margin = 1 - r.memory.total / hbm
         mark = "" if r.memory.exact else "~"
         lines.append(f"| {i} | {r.plan.layout_label()} | {r.plan.ac_label()} | {r.plan.options_label()} | "
                      f"{mark}{_gib(r.memory.total)} ({margin:.0%}) | {r.time.tokens_per_s_per_gpu:,.0f} | "
@@ -33,9 +34,10 @@ def table(results, capacity: float, title: str) -> str:
     return "\n".join(lines)
 
 
-def explain(result, n: int, capacity: float) -> str:
+def explain(result, n: int, hbm: float) -> str:
+    """Plan `n`'s step and memory, part by part (n = 0: the config's own layout, --predict)."""
     st, mem, plan = result.time, result.memory, result.plan
-    lines = [f"plan {n}: {plan.layout_label()}, AC {plan.ac_label()}, {plan.options_label()} on {plan.world} ranks",
+    lines = [f"{f'plan {n}' if n else 'layout'}: {plan.layout_label()}, AC {plan.ac_label()}, {plan.options_label()} on {plan.world} ranks",
              f"  step {st.step_s:.3f} s = {st.tokens_per_step:,} tokens; {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
              f"MFU {st.mfu:.1%}; bottleneck: {st.bottleneck}", "", "  step time, by part:"]
     for k, v in st.parts.items():
@@ -46,7 +48,7 @@ def explain(result, n: int, capacity: float) -> str:
             lines.append(f"    {c.name:<34}{c.bytes / GiB:>9.3f} GiB over {c.group:>4} ranks, {c.link:<10} "
                          f"{c.seconds:>8.4f} s {'overlapped' if c.overlapped else 'exposed'}")
     ref = mem.reference
-    lines += ["", f"  memory per rank: {_gib(mem.total)} GiB of {_gib(capacity)} GiB "
+    lines += ["", f"  memory per rank: {_gib(mem.total)} GiB of {_gib(hbm)} GiB "
               f"({'exact estimate' if mem.exact else 'scaled from the estimate of ' + _ref_label(ref)})",
               f"    params + AdamW states      {_gib(mem.persistent)} GiB",
               f"    activations kept           {_gib(mem.activations)} GiB",

@@ -102,7 +102,7 @@ def test_model_that_fits_nowhere_names_the_smallest_gpu_count(tmp_path, capsys):
     assert rc == 2 and out == ""
     line = err.strip()
     assert "\n" not in line
-    assert "fits at no layout on 1 x test-cpu (0.0625 GiB each): " in line
+    assert "fits at no layout on 1 x test-cpu (0.0625 GiB each, 10% kept free): " in line
     import re
 
     found = re.search(r"; (\d+) GPUs fit \((\S+), AC full, ([\d.]+) GiB per rank\)", line)
@@ -303,3 +303,132 @@ def test_every_skeleton_of_a_pipeline_search_is_predicted():
     skels = list(search.skeletons())
     assert {(s.pp, s.stages_per_rank) for s in skels} == {(1, 1), (2, 1)}
     assert all(math.isfinite(search.optimistic(s)) for s in skels)
+
+
+def _debug_search_parts(hw):
+    from planner.cli import NEUTRAL
+    from planner.memory import MemoryModel
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    argv = [*DEBUG, *NEUTRAL]
+    cfg = load_config(argv)
+    return cfg, argv, workload_of(cfg, hw), MemoryModel(argv, hw.device, hw.gpus_per_node)
+
+
+def test_every_flag_combination_searches():
+    """--ac, --compile on and --float8 on, alone and together, each find plans that have what the
+    flags ask. The least-memory check of a layout (`frugal_fits`) used to try only AC full without
+    compile or float8, so every one of these found nothing ("fits at no layout")."""
+    from planner.cli import parse, space_for
+    from planner.hardware import KNOWN
+    from planner.search import Search
+
+    hw = KNOWN["h100-sxm"]
+    cfg, argv, w, memory = _debug_search_parts(hw)
+    for flags in (["--ac", "op"], ["--ac", "none"], ["--ac", "budget"], ["--ac", "none,op"], ["--compile", "on"],
+                  ["--float8", "on"], ["--ac", "op", "--compile", "on", "--float8", "on"],
+                  ["--ac", "full", "--compile", "off", "--float8", "off"]):
+        space = space_for(parse(flags)[0], hw)
+        found = Search(cfg, argv, w, hw, 2, 128, 8, space, memory).run(2)
+        assert found, flags
+        for r in found:
+            p = r.plan
+            assert p.ac in space.ac_modes and p.compile in space.compile and p.float8 in space.float8, (flags, p)
+            # float8 plans gather in float8 where FSDP shards (tensorwise, the default recipe)
+            assert p.float8_all_gather == (p.float8 and p.dp_shard * p.cp * p.dp_replicate > 1), p
+    # Combinations nothing satisfies are one line each, before any search.
+    for flags, expect in ((["--ac", "budget", "--compile", "on"], "--ac budget with --compile on"),
+                          (["--float8", "on"], "--float8 on: test-cpu has no float8 matmuls")):
+        with pytest.raises(Exception) as e:
+            from planner.hardware import hardware_from_table
+
+            space_for(parse(flags)[0], hardware_from_table(tomllib.loads(HW.format(gib=4)), "test")
+                      if "float8" in flags[0] else hw)
+        assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_gpu_count_hint_searches_the_same_flags(tmp_path, capsys):
+    """A model that fits on no layout names the smallest GPU count that fits with the flags given
+    (here op AC, which keeps more than full): that count finds a plan, half of it does not."""
+    import re
+
+    hw = _hw(tmp_path, 0.09)  # 1 rank: 0.09 GiB of params, grads and AdamW states alone
+    common = [*DEBUG, "--hardware", hw, "--ac", "op", "--top", "1"]
+    rc, out, err = _plan([*common, "--gpus", "1", "--global-batch-tokens", "128"], capsys)
+    assert rc == 2 and "\n" not in err.strip()
+    found = re.search(r"; (\d+) GPUs fit \((\S+), AC op, ([\d.]+) GiB per rank\)", err)
+    assert found, err
+    n = int(found.group(1))
+    # the hint's search takes a sample per GPU at least
+    rc, out, _ = _plan([*common, "--gpus", str(n), "--global-batch-tokens", str(128 * n)], capsys)
+    assert rc == 0 and f"| 1 | {found.group(2)} | op |" in out
+    assert n == 2 or _plan([*common, "--gpus", str(n // 2), "--global-batch-tokens", str(64 * n)], capsys)[0] == 2
+
+
+def test_the_memory_margin_keeps_its_share_free(capsys):
+    """Every plan leaves --margin of the GPU free: a margin just above plan 1's free share drops
+    plan 1; 0.1 is the default; a margin outside 0..0.9 is one line."""
+    import dataclasses
+
+    from planner.cli import parse, space_for
+    from planner.hardware import KNOWN
+    from planner.search import DEFAULT_MARGIN, GiB, Search
+
+    assert DEFAULT_MARGIN == 0.1 and parse([])[0]["margin"] is None and parse(["--margin", "0.25"])[0]["margin"] == 0.25
+    hw = dataclasses.replace(KNOWN["h100-sxm"], hbm_gib=1.5)
+    cfg, argv, w, memory = _debug_search_parts(hw)
+    space = space_for(parse(["--ac", "none,op", "--compile", "off", "--float8", "off"])[0], hw)
+    loose = Search(cfg, argv, w, hw, 2, 128, 64, space, memory, margin=0.0).run(3)
+    free = 1 - loose[0].memory.total / (hw.hbm_gib * GiB)
+    assert 0 < free < 0.8, free
+    tight = Search(cfg, argv, w, hw, 2, 128, 64, space, memory, margin=free + 0.01).run(3)
+    assert loose[0].plan not in [r.plan for r in tight]
+    assert all(r.memory.total <= (1 - free - 0.01) * hw.hbm_gib * GiB for r in tight)
+    for bad in ("1.5", "-0.1", "ten"):
+        rc, out, err = _plan([*DEBUG, "--gpus", "2", "--margin", bad], capsys)
+        assert rc == 2 and "--margin: expected a share of the memory from 0 to 0.9" in err and err.count("\n") == 1
+
+
+def test_predict_prints_the_configs_own_layout(tmp_path, capsys):
+    """--predict: no search; the config's own layout (FSDP 2 x TP 2 here, op AC) on --gpus, with
+    the step of the time model and the memory of the full estimator on that very layout."""
+    from planner.hardware import load_hardware_file
+    from planner.layout import Plan
+    from planner.step_time import predict
+    from planner.workload import workload_of
+    from trainer.config import load_config
+    from trainer.memory import estimate_memory
+
+    hw_file = _hw(tmp_path)
+    argv = [*DEBUG, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+            "--activation_checkpoint.mode", "op", "--training.local_batch_size", "2"]
+    rc, out, err = _plan([*argv, "--gpus", "4", "--hardware", hw_file, "--predict"], capsys)
+    assert rc == 0, err
+    first = out.splitlines()[0]
+    cfg = load_config(argv, world_size=4)
+    st = predict(Plan(4, 1, 2, tp=2, local_batch=2, ac="op"), workload_of(cfg), load_hardware_file(hw_file), 128,
+                 compute_bytes=4)
+    est = estimate_memory(cfg, 4, device="cpu")
+    assert "fsdp2xtp2, AC op, lbs2" in first and f"step {st.step_s:.3f} s" in first, first
+    assert f"memory {est.total / 1024**3:.2f} GiB per rank" in first, (first, est.total)
+    assert "exposed comm (TP/CP/EP)" in out and "legend:" in out and "tpN: tensor parallel" in out
+    # A layout the world cannot hold is the trainer's own one line.
+    rc, out, err = _plan([*argv, "--gpus", "6", "--hardware", hw_file, "--predict"], capsys)
+    assert rc == 2 and err.startswith("config error") and err.count("\n") == 1
+
+
+def test_the_legend_explains_every_part_of_a_label():
+    from planner.layout import Plan, legend
+
+    plans = [Plan(16, 2, 2, cp=2, pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, local_batch=4, grad_accum=2,
+                  float8=True, float8_all_gather=True, compile=True),
+             Plan(8, 1, 2, tp=2, cp=2, cp_method="alltoall", ep=4, chunked_ce=True, local_batch=1)]
+    assert plans[0].layout_label() == "rep2xfsdp2xcp2agxpp2:ZBVx2/mb1"
+    text = legend(plans)
+    for part in ("repN: HSDP", "fsdpN: FSDP", "tpN: tensor parallel", "cpNag: context parallel",
+                 "cpNa2a: context parallel", "ppN:S[xV]/mbM: pipeline", "ZBV: ZBVZeroBubble", "epN: expert parallel",
+                 "lbsN:", "gaN: gradient accumulation", "cce: chunked", "fp8ag: float8", "compile: torch.compile",
+                 "joined by x"):
+        assert part in text, (part, text)
+    assert "I1F1B" not in text and "fp8: " not in text  # only what the labels hold
