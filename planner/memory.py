@@ -16,7 +16,8 @@ and a plan is then read off it:
   linear in the microbatch's tokens; under PP the kept activations also scale with the
   schedule's in-flight stage-microbatches (`_in_flight_units`, the estimator's own rule);
 - FSDP's gathered buffers do not change; accumulated gradients are held when the plan
-  accumulates (PP or gradient accumulation);
+  accumulates (PP or gradient accumulation), and under PP with FSDP every unit's gradient
+  is held unsharded over the microbatches (the same at any dp_shard);
 - the GPU terms (CUDA context, NCCL buffers, EP imbalance) come from the estimator
   (`trainer/memory/device_overhead.py`); the allocator's margin is re-taken on the
   scaled peak.
@@ -264,8 +265,14 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
     tok = _tokens(ref, plan)
     assert tok >= 1, (ref, plan)  # a reference has the smallest microbatch
     act = tok * _units(plan) / _units(ref)
-    accum_ref = est.grads if (ref.grad_accum > 1 or ref.pp > 1) else 0
-    accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
+    accum_ref = est.held_grads
+    if plan.pp > 1 and plan.dp_shard * plan.cp * plan.dp_replicate > 1:
+        # PP with FSDP holds every unit's gradient unsharded over the microbatches (the
+        # estimator's `_pp_fsdp_held_grads`): the same at any dp_shard; a reference does not
+        # accumulate, a plan that does also keeps the sharded gradients between its steps
+        accum_new = est.held_grads + (est.grads * s if plan.grad_accum > 1 else 0)
+    else:
+        accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
     phases = {}
     for name, v in est.phases.items():
         if name == "optimizer step":

@@ -432,3 +432,20 @@ def test_the_legend_explains_every_part_of_a_label():
                  "joined by x"):
         assert part in text, (part, text)
     assert "I1F1B" not in text and "fp8: " not in text  # only what the labels hold
+
+
+def test_pipeline_with_fsdp_reads_the_unsharded_gradients_off_its_reference():
+    """Under PP with FSDP every unit's gradient is held unsharded over the microbatches (the
+    estimator's term): the same at any dp_shard, with the sharded gradients on top when the plan
+    also accumulates. Read off the reference (dp_shard 2, no accumulation) for dp_shard 4 with and
+    without accumulation, it equals the estimator run on each plan within 1%."""
+    from planner.layout import Plan
+    from planner.memory import MemoryModel
+
+    mm = MemoryModel(DEBUG, "cpu", 64)
+    for accum in (1, 2):
+        plan = Plan(8, 1, 4, pp=2, microbatch=1, local_batch=2, grad_accum=accum, ac="full")
+        got = mm.of(plan)
+        exact = mm.estimate_exact(plan)
+        assert exact.held_grads > 3 * exact.grads  # unsharded over dp_shard 4
+        assert got.tensors == pytest.approx(exact.total, rel=0.01), (accum, got.tensors, exact.total)
