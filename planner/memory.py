@@ -170,7 +170,9 @@ class MemoryModel:
 
     def _entry(self, plan: Plan) -> _Reference:
         """The cache entry of `plan`'s structural key; a new one is estimated at once in full
-        (both points, one assembly), except under the AC modes of `LAZY_AC`."""
+        (both points, one assembly), except under the AC modes of `LAZY_AC`, and without its
+        second point where `plan` has the reference's microbatch (most pipeline plans: a
+        later plan that needs the point gets it then)."""
         key = structural_key(plan)
         if key in self.cache:
             self.hits += 1
@@ -181,6 +183,9 @@ class MemoryModel:
         if plan.ac in LAZY_AC and (skew or plan.ac == "budget"):
             est, = self._estimate([ref], [self._phases_only()])
             entry = _Reference(ref, double, est, not skew, None)
+        elif _tokens(ref, plan) == 1:  # e.g. PP at the reference's microbatch: `scale` reads no second point
+            est, = self._estimate([ref], [self.overheads])
+            entry = _Reference(ref, double, est, True, None)
         else:
             est, est2 = self._estimate([ref, double], [self.overheads, self._phases_only()])
             entry = _Reference(ref, double, est, True, est2)

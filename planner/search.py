@@ -205,7 +205,8 @@ class Search:
         """A lower bound of the tensors per rank: 16 bytes (param, grad, 2 moments, fp32) per
         local parameter of an average PP rank, plus FSDP's gathered parameters in the compute
         dtype (under PP the trainer keeps a stage's units gathered: reshard_after_forward
-        default; otherwise at least one block). Routed experts are sharded over
+        default; otherwise at least one block), and under PP the stage's gradients, unsharded in
+        fp32 over the microbatches. Routed experts are sharded over
         dp_shard x cp x tp with EP, over dp_shard x cp without it."""
         w = self.w
         tp_dense = plan.tp
@@ -217,8 +218,8 @@ class Search:
         fsdp = plan.dp_shard * plan.cp > 1 or plan.dp_replicate > 1
         if not fsdp:
             buffers = 0.0
-        elif plan.pp > 1:
-            buffers = gathered_stage * self.esize
+        elif plan.pp > 1:  # the sharded gradients give way to the unsharded ones (fp32) held over microbatches
+            return 0.97 * (12 * local + gathered_stage * (self.esize + 4))
         else:
             buffers = gathered_stage / self.w.n_layers * self.esize
         return 0.97 * (16 * local + buffers)

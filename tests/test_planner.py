@@ -236,8 +236,10 @@ def test_a_tied_head_is_one_parameter_and_a_full_matmul():
 
 def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch):
     """AC `none` and `budget` references skip the EP-skewed probe and the second point until a
-    plan's lower bound fits: the bound is never above the memory, and the completed estimate
-    reads exactly as one estimated in full at once (GPU terms on: the EP skew applies)."""
+    plan's lower bound fits, and any reference first asked for a plan at its own microbatch (PP
+    mb1 here) skips the second point until a plan needs it: the bound is never above the memory,
+    and the completed estimate reads exactly as one estimated in full at once (GPU terms on: the
+    EP skew applies)."""
     import planner.memory as pm
     from planner.cli import NEUTRAL
     from planner.layout import Plan
@@ -245,15 +247,17 @@ def test_lazy_references_bound_below_and_complete_to_the_same_bytes(monkeypatch)
     argv = ["--config", "deepseek_debug.toml", *NEUTRAL, "--training.seq_len", "64"]
     plans = [Plan(8, 1, 8, ep=2, local_batch=lb, ac=ac) for ac, lbs in (("none", (1, 2, 4)), ("budget", (1, 2)))
              for lb in lbs]
-    plans += [Plan(8, 1, 4, pp=2, microbatch=mb, local_batch=4, ep=2, ac="none") for mb in (1, 2)]
+    plans += [Plan(8, 1, 4, pp=2, microbatch=mb, local_batch=4, ep=2, ac=ac) for ac in ("none", "full")
+              for mb in (1, 2)]
     lazy = pm.MemoryModel(argv, "cuda", 8)
     bounds = [pm.scale(e.est, e.plan, p, e.est2, bound=True).total for p in plans
               for e in [lazy._entry(p)]]
-    assert not any(e.skewed or e.est2 for e in lazy.cache.values())  # nothing completed yet
+    assert not any(e.est2 for e in lazy.cache.values())  # nothing completed yet
+    assert not any(e.skewed for e in lazy.cache.values() if e.plan.ac in pm.LAZY_AC)
     got = [lazy.of(p) for p in plans]
     monkeypatch.setattr(pm, "LAZY_AC", ())
     eager = pm.MemoryModel(argv, "cuda", 8)
-    want = [eager.of(p) for p in plans]
+    want = [eager.reference(p) and eager.of(p) for p in plans]  # both points at once, before any read
     for plan, low, g, w in zip(plans, bounds, got, want):
         assert g.total == w.total and g.device_terms == w.device_terms and g.peak_phase == w.peak_phase, plan
         assert 0 < low <= w.total, (plan, low, w.total)
