@@ -10,12 +10,13 @@ quantities that can be checked one by one:
   over HBM bandwidth; compile fuses part of it away;
 - every collective the plan issues, with its bytes per rank, over the link its group
   crosses (mesh order pp, dp_replicate, dp_shard, cp, tp: a group stays in a node when
-  its span fits), and whether it overlaps compute (FSDP, HSDP and PP traffic is
-  prefetched; TP, CP and EP traffic sits on the critical path);
+  its span fits), and whether it overlaps compute: FSDP, HSDP and PP traffic hides behind
+  the compute of its own phase (forward or backward) on its own link, at a contention cost
+  (`exposed_overlapped`); TP, CP and EP traffic sits on the critical path;
 - the schedule's pipeline bubble, and the recompute of the chosen AC mode.
 
-The calibration parameters are `hardware.Efficiency` (eight numbers per GPU type), all in
-docs/planner.md with where they come from. Nothing else is fitted.
+The calibration parameters are `hardware.Efficiency`, all in docs/planner.md with where
+they come from. Nothing else is fitted.
 """
 
 from __future__ import annotations
