@@ -131,9 +131,10 @@ def exposed_overlapped(colls: list, plan: Plan, hw: Hardware, compute: float, re
     recompute; under PP the once-per-step gather has only the first microbatch's forward) and is
     exposed beyond it; what hides still slows the compute by `contention_<link>` of its time. The
     first unit's gather of each forward is exposed (nothing runs before it), and so is a
-    reduction after the last microbatch ("end")."""
+    reduction after the last microbatch ("end"). Phases: forward, "first forward" (the first
+    microbatch's: PP's once-per-step gathers), backward, end."""
     eff = hw.efficiency
-    window = {"forward": compute / 3 / (plan.n_microbatches if plan.pp > 1 else 1),
+    window = {"forward": compute / 3, "first forward": compute / 3 / plan.n_microbatches,
               "backward": compute * 2 / 3 + recompute, "end": 0.0}
     traffic: dict = {}
     for c in colls:
@@ -144,7 +145,7 @@ def exposed_overlapped(colls: list, plan: Plan, hw: Hardware, compute: float, re
         contention = eff.contention_in_node if link == "in-node" else eff.contention_inter_node
         hidden = min(seconds, window[phase])
         exposed += seconds - hidden + contention * hidden
-    first = next((c for c in colls if c.name == "FSDP all-gather (forward)"), None)
+    first = next((c for c in colls if c.name.startswith("FSDP all-gather (") and "forward" in c.phase), None)
     if first is not None and first.calls:  # one unit per forward waits for its own gather
         exposed += first.seconds / first.calls * (1 if plan.pp > 1 else plan.n_microbatches)
     return exposed
@@ -282,18 +283,18 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     # the gradients are reduced once after the last microbatch ("end": nothing left to hide behind).
     if pp > 1:
         fwd_gather, fwd_calls, bwd_gather, bwd_calls = dense_gather, fsdp_units, 0.0, 0.0
-        reduce_phase, reduces = "end", 1
+        gather_phase, reduce_phase, reduces = "first forward", "end", 1
     else:  # the norm + head unit stays gathered from forward into backward
         ungathered = (head / tp + w.dim) * esize if holds_head and end_units == 2 else 0.0
         fwd_gather, fwd_calls = n_mb * dense_gather, n_mb * fsdp_units
         bwd_gather, bwd_calls = n_mb * (dense_gather - ungathered), n_mb * (fsdp_units - (end_units - 1))
-        reduce_phase, reduces = "backward", n_mb
-    for phase, nbytes, calls in (("forward", fwd_gather, fwd_calls), ("backward", bwd_gather, bwd_calls)):
+        gather_phase, reduce_phase, reduces = "forward", "backward", n_mb
+    for phase, nbytes, calls in ((gather_phase, fwd_gather, fwd_calls), ("backward", bwd_gather, bwd_calls)):
         add(f"FSDP all-gather ({phase})", nbytes * (fsdp - 1) / fsdp, fsdp, span_fsdp, True, calls, phase=phase)
     add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
         reduces * fsdp_units, phase=reduce_phase)
     if stage_experts:
-        expert_gathers = ((("forward", 1),) if pp > 1 else (("forward", n_mb), ("backward", n_mb)))
+        expert_gathers = (((gather_phase, 1),) if pp > 1 else ((gather_phase, n_mb), ("backward", n_mb)))
         for phase, n in expert_gathers:
             add(f"expert FSDP all-gather ({phase})", n * expert_unit * esize * (efsdp - 1) / efsdp, efsdp, span_fsdp,
                 True, n * moe_blocks, phase=phase)

@@ -142,10 +142,11 @@ def test_overlapped_traffic_hides_per_phase_and_link():
     # PP, 4 microbatches: the once-per-step gather hides behind the first microbatch's forward
     # only (0.25 s), its reduction after the last microbatch nowhere
     pp = Plan(16, 1, 8, pp=2, local_batch=4)
-    ends = [coll("FSDP all-gather (forward)", 0.4, "inter-node", "forward", calls=10),
-            coll("FSDP reduce-scatter", 0.7, "inter-node", "end")]
+    ends = [coll("FSDP all-gather (first forward)", 0.4, "inter-node", "first forward", calls=10),
+            coll("FSDP reduce-scatter", 0.7, "inter-node", "end"),
+            coll("PP send/recv (forward)", 0.9, "inter-node", "forward")]  # every microbatch's: 1 s window
     assert exposed_overlapped(ends, pp, hw, compute, recompute) == pytest.approx(
-        (0.4 - 0.25) + 0.3 * 0.25 + 0.7 + 0.4 / 10)
+        (0.4 - 0.25) + 0.3 * 0.25 + 0.7 + 0.3 * 0.9 + 0.4 / 10)
 
 
 def test_float8_gathers_in_float8_and_pays_its_casts():
