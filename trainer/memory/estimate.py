@@ -132,7 +132,9 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
         return 0
     units = heavy.unit_bytes
     largest_block = max((b for u, b in units.items() if u.startswith("layers.")), default=0)
-    reshard = {"always": True, "never": False, "default": layout.pp == 1}[par.fsdp_reshard_after_forward]
+    # Under PP every unit stays gathered whatever the setting: torch's pipeline stage turns FSDP's
+    # reshard after backward off until the last microbatch (`backward_maybe_with_nosync`).
+    reshard = layout.pp == 1 and par.fsdp_reshard_after_forward != "never"
     if reshard:
         # the unit running + the next one prefetched, and the norm+output unit kept gathered
         head = units.get("head", 0) if par.fsdp_reshard_after_forward != "always" else 0
