@@ -46,7 +46,7 @@ def explain(result, n: int, hbm: float) -> str:
         lines += ["", "  collectives per rank per step:"]
         for c in st.collectives:
             lines.append(f"    {c.name:<34}{c.bytes / GiB:>9.3f} GiB over {c.group:>4} ranks, {c.link:<10} "
-                         f"{c.seconds:>8.4f} s {'overlapped' if c.overlapped else 'exposed'}")
+                         f"{c.seconds:>8.4f} s {_overlap_label(c)}")
     ref = mem.reference
     lines += ["", f"  memory per rank: {_gib(mem.total)} GiB of {_gib(hbm)} GiB "
               f"({'exact estimate' if mem.exact else 'scaled from the estimate of ' + _ref_label(ref)})",
@@ -57,6 +57,13 @@ def explain(result, n: int, hbm: float) -> str:
               "allocator margin)" if mem.device_terms else "    GPU terms                  none (CPU)"]
     lines += ["", "  run it: NGPU=%d ./run_train.sh --config <base> %s" % (plan.world, " ".join(plan.overrides()))]
     return "\n".join(lines)
+
+
+def _overlap_label(c) -> str:
+    """Where a collective's time goes (step_time.exposed_overlapped)."""
+    if not c.overlapped:
+        return "exposed"
+    return "exposed, after the last microbatch" if c.phase == "end" else f"hidden behind the {c.phase}, up to it"
 
 
 def _ref_label(est) -> str:
