@@ -88,15 +88,18 @@ class Hardware:
 # fitted to any run: attention = 0.68 x matmul (FlashAttention-2's causal fwd+bwd relative to GEMMs
 # on H100); float8_matmul from torchao's microbenchmark of one compiled Linear (`fit` prints it).
 # Set (priors; docs/planner.md): grouped_gemm, link, compile_elementwise, cp_flex_attention.
-H100_EFFICIENCY = Efficiency(matmul=0.546, float8_matmul=0.544, attention=0.371, grouped_gemm=0.35, hbm=0.241,
+H100_EFFICIENCY = Efficiency(matmul=0.592, float8_matmul=0.613, attention=0.403, grouped_gemm=0.35, hbm=0.241,
                              link=0.70, contention_in_node=0.070, contention_inter_node=0.070, cp_flex_attention=0.87,
                              compile_elementwise=0.5, step_overhead_s=0.144)
 
 KNOWN: dict[str, Hardware] = {h.name: h for h in (
     Hardware("h100-sxm", 989, 1979, 79.6, 3350, 450, 8, 50, efficiency=H100_EFFICIENCY,
              note="H100 SXM5 80 GB, NVLink 4 (900 GB/s bidirectional), 400 Gb/s NIC per GPU"),
-    Hardware("h100-tt", 989, 1979, 89.4, 2400, 450, 8, 50, efficiency=H100_EFFICIENCY,
-             note="TorchTitan's benchmark H100: SXM at 500 W, 96 GB HBM2e (bandwidth assumed), 400 Gb/s per GPU"),
+    # Their write-up: "the actual peak TFLOPs number is between SXM and NVL": the midpoint of the SXM
+    # (989 / 1979 dense bf16 / fp8) and NVL (835 / 1671) datasheet peaks.
+    Hardware("h100-tt", 912, 1825, 89.4, 2400, 450, 8, 50, efficiency=H100_EFFICIENCY,
+             note="TorchTitan's benchmark H100: SXM at 500 W (peak between SXM and NVL: the midpoint), 96 GB HBM2e "
+                  "at 2.4 TB/s, 400 Gb/s per GPU"),
     Hardware("h100-pcie", 756, 1513, 79.6, 2000, 64, 8, 50, efficiency=H100_EFFICIENCY,
              note="H100 PCIe 80 GB without NVLink bridges: peers talk over PCIe 5 (assumed 64 GB/s)"),
     Hardware("h200", 989, 1979, 139.8, 4800, 450, 8, 50, efficiency=H100_EFFICIENCY,

@@ -215,14 +215,14 @@ def fit_h100() -> None:
     print(", ".join(f"{k}={v:.4f}" for k, v in fitted.items()))
     # Not fitted to any run: float8_matmul from torchao's microbenchmark of one compiled Linear on
     # H100 (README, "Performance": M, K, N = 4096, 8192, 16384 runs 1.39x bf16), through the model's
-    # own cast cost at the fitted hbm.
+    # own cast cost at the fitted matmul and hbm.
     from planner.step_time import float8_linear_speedup
 
     sxm = KNOWN["h100-sxm"]
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        eff = dataclasses.replace(sxm.efficiency, hbm=fitted["hbm"], float8_matmul=mid)
+        eff = dataclasses.replace(sxm.efficiency, matmul=fitted["matmul"], hbm=fitted["hbm"], float8_matmul=mid)
         if float8_linear_speedup(dataclasses.replace(sxm, efficiency=eff), 4096, 8192, 16384) < 1.39:
             lo = mid
         else:
