@@ -20,7 +20,7 @@ the base config before the search sets the layout):
   --write FILE             write plan 1 (or --explain's plan) as a config ./run_train.sh runs as is
   --ac MODES               AC modes to search, comma-separated from none,op,full,budget (default all)
   --compile on|off|both    (default both on GPUs, off on CPU)
-  --float8 on|off|both     (default both where the GPU has fp8)
+  --float8 on|off|both     (default both where the GPU has fp8; float8 plans gather in float8 where FSDP shards)
   --max-estimates N        stop the search before the memory estimator runs more than N times
   --verify                 re-run the exact estimator on plan 1's own layout and print both numbers
   --calibrate              measure this machine (matmul, attention, memory, gloo) into the cpu-gloo entry

@@ -5,7 +5,8 @@
                                           # DeepSeek V3 671B on 1,024 H100 (N bounds the 671B search)
   python scripts/bench_plan.py fastpath [--whole]   # 671B: the planner's cached estimates vs the
                                           # full estimator (--whole: every estimate of the 1,024-GPU search)
-  python scripts/bench_plan.py h100       # the H100 calibration rows and the GPU predictions
+  python scripts/bench_plan.py h100       # the H100 calibration rows, the published runs not fitted to,
+                                          # and other GPU predictions
   python scripts/bench_plan.py fit        # the four fitted H100 efficiencies, from the calibration rows
   python scripts/bench_plan.py validate [--quick] [--rounds N]   # CPU: predicted vs measured step time and memory
                                           # through ./run_train.sh (needs --calibrate first)
