@@ -220,9 +220,11 @@ class MemoryModel:
 
     def exact(self, plan: Plan) -> PlanMemory:
         """The estimator on `plan` itself (its fast path: the full estimator's bytes), as a
-        PlanMemory (`--predict`)."""
+        PlanMemory (`--predict`): nothing is scaled, whatever the plan accumulates."""
         est, = self._estimate([plan], [self.overheads])
-        return scale(est, plan, plan)
+        return PlanMemory(total=int(est.device_total), tensors=int(est.total), persistent=int(est.persistent),
+                          activations=int(est.activations), peak_phase=max(est.phases, key=est.phases.get),
+                          device_terms=int(sum(est.device_terms.values())), exact=True, reference=est)
 
     def cached(self, plan: Plan) -> bool:
         return structural_key(plan) in self.cache
@@ -269,6 +271,7 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
     s = ref.dp_shard / plan.dp_shard
     tok = _tokens(ref, plan)
     assert tok >= 1, (ref, plan)  # a reference has the smallest microbatch
+    assert ref.grad_accum == 1, ref  # and does not accumulate (`reference_plan`): `held_grads` has no sharded part
     act = tok * _units(plan) / _units(ref)
     accum_ref = est.held_grads
     if plan.pp > 1 and plan.dp_shard * plan.cp * plan.dp_replicate > 1:

@@ -360,3 +360,5 @@ def test_pipeline_with_fsdp_reads_the_unsharded_gradients_off_its_reference():
         exact = mm.estimate_exact(plan)
         assert exact.held_grads > 3 * exact.grads  # unsharded over dp_shard 4
         assert got.tensors == pytest.approx(exact.total, rel=0.01), (accum, got.tensors, exact.total)
+        # --predict's reading of the plan itself is the estimator's, accumulation included
+        assert mm.exact(plan).tensors == exact.total and mm.exact(plan).total == exact.device_total
