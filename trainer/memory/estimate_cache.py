@@ -128,8 +128,8 @@ def _relabel(p: RankParams, ids: dict) -> RankParams:
     def unit(k):
         return f"layers.{ids[int(k.split('.')[1])]}" if k.startswith("layers.") else k
 
-    return RankParams(p.param_bytes, {unit(k): v for k, v in p.unit_bytes.items()}, p.head_param_bytes,
-                      {ids[k]: v for k, v in p.matrix_numel.items()})
+    return dataclasses.replace(p, unit_bytes={unit(k): v for k, v in p.unit_bytes.items()},
+                               matrix_numel={ids[k]: v for k, v in p.matrix_numel.items()})
 
 
 class EstimateCache:
