@@ -70,6 +70,9 @@ class MemoryEstimate:
     notes: list = field(default_factory=list)
     # CUDA only: what the GPU spends beyond tensors (trainer/memory/device_overhead.py)
     device_terms: dict = field(default_factory=dict)
+    # gradients held through the forward and backward phases (accumulation; PP with FSDP:
+    # unsharded, `_pp_fsdp_held_grads`); 0 when they exist only from the backward on
+    held_grads: int = 0
 
     @property
     def persistent(self) -> int:
@@ -132,7 +135,9 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
         return 0
     units = heavy.unit_bytes
     largest_block = max((b for u, b in units.items() if u.startswith("layers.")), default=0)
-    reshard = {"always": True, "never": False, "default": layout.pp == 1}[par.fsdp_reshard_after_forward]
+    # Under PP every unit stays gathered whatever the setting: torch's pipeline stage turns FSDP's
+    # reshard after backward off until the last microbatch (`backward_maybe_with_nosync`).
+    reshard = layout.pp == 1 and par.fsdp_reshard_after_forward != "never"
     if reshard:
         # the unit running + the next one prefetched, and the norm+output unit kept gathered
         head = units.get("head", 0) if par.fsdp_reshard_after_forward != "always" else 0
@@ -142,6 +147,20 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     if dtype != torch.float32:
         buffers += largest_block * 4 // esize  # the block's reduce-scatter input in fp32
     return int(buffers * esize)
+
+
+def _pp_fsdp_held_grads(heavy: RankParams, reduce_dtype: torch.dtype, grad_accum: int) -> int:
+    """Gradients a PP rank under FSDP holds through its step. torch's pipeline stage turns
+    FSDP's gradient sync off for every microbatch's backward (`backward_maybe_with_nosync`:
+    `set_requires_gradient_sync(False)`) and reduces once after the last (`perform_reduce_grad`),
+    so every unit keeps its *unsharded* gradient across the step's microbatches, in the reduce
+    dtype (FSDP2 upcasts it to accumulate in); parameters outside FSDP (experts EP takes whole)
+    keep their own; and with gradient accumulation the sharded gradients of the earlier
+    accumulation steps stay too. About 24 GiB per rank on llama405b.toml (8 layers' fp32
+    gradients at TP 8), where the sharded ones are 3."""
+    unsharded = sum(heavy.unit_bytes.values()) * torch.tensor([], dtype=reduce_dtype).element_size()
+    outside = heavy.param_bytes - heavy.fsdp_param_bytes
+    return unsharded + outside + (heavy.fsdp_param_bytes if grad_accum > 1 else 0)
 
 
 def _skew(layout: Layout, device: str, ov: GpuOverheads) -> float | None:
@@ -252,6 +271,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     # grads alive before backward: none (zero_grad sets them to None), unless they
     # accumulate over microbatches (grad accumulation, PP).
     accum_grads = grads if (grad_accum > 1 or layout.pp > 1) else 0
+    if layout.pp > 1 and layout.fsdp and not offload:
+        accum_grads = _pp_fsdp_held_grads(heavy, precision.reduce, grad_accum)
     phases = {}
     # Autocast (no FSDP) caches the low-precision copy of every weight it casts until the
     # forward+loss region ends; blocks without AC save those copies anyway (counted above).
@@ -268,6 +289,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     if stage_layers and stage_layers[-1]:
         pr_last: BlockProbe = blocks.probes[blocks.kind_of[stage_layers[-1][-1]]]
         head_grad_live = heavy.head_param_bytes if layout.fsdp else head.weight_grad_bytes
+        if layout.pp > 1 and layout.fsdp:
+            head_grad_live = 0  # held unsharded with every unit's (`_pp_fsdp_held_grads`)
         worst_block = pr_last.backward_extra
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
@@ -307,7 +330,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
         block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
         optimizer_states="Muon: 1, AdamW: 2 x fp32" if cfg.optimizer.name == "muon" else "AdamW: 2 x fp32",
-        notes=notes, device_terms=device_terms)
+        notes=notes, device_terms=device_terms, held_grads=int(accum_grads))
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -335,6 +358,9 @@ def format_estimate(est: MemoryEstimate) -> str:
         f"  {'optimizer states (' + est.optimizer_states + ')':<44}{fmt_bytes(est.optimizer):>12}",
         f"  {'FSDP gathered params / reduce buffers':<44}{fmt_bytes(est.fsdp_buffers):>12}",
     ]
+    if L.pp > 1 and L.fsdp:  # torch's pipeline stage turns FSDP's gradient sync off until the last microbatch
+        lines.append(f"  {'gradients held over the microbatches':<44}{fmt_bytes(est.held_grads):>12}  (PP x FSDP: "
+                     "unsharded)")
     for k, v in est.activations_per_block.items():
         lines.append(f"  {'activations per block (' + k + ')':<44}{fmt_bytes(v):>12}")
     lines += [

@@ -41,6 +41,7 @@ class RankParams:
     unit_bytes: dict  # FSDP unit -> its gathered size in the compute dtype ("layers.K" units with nested ones)
     head_param_bytes: int  # local fp32 shards of the final norm + output head
     matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
+    fsdp_param_bytes: int = 0  # the part of param_bytes FSDP manages (its units' local shards)
     # >= 2-D parameter (wrapper prefixes removed) -> (local shape, global shape, ranks sharding its
     # last two dims): what the optimizer terms read (trainer/memory/optimizer_terms.py)
     matrices: dict = field(default_factory=dict)
@@ -78,8 +79,9 @@ def read_modules(part) -> dict[str, RankParams]:
             r.matrices[clean_name(name)] = matrix_layout(p)
     for name, state in fsdp_states(part).items():
         # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
-        gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
-                       for group in state._fsdp_param_groups for fp in group.fsdp_params)
+        fsdp_params = [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+        gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size for fp in fsdp_params)
+        of(name).fsdp_param_bytes += tensor_bytes([fp.sharded_param for fp in fsdp_params])
         key = "head" if name in ("norm", "output") else _layer_key(name)
         units = of(name).unit_bytes
         units[key] = units.get(key, 0) + gathered
@@ -105,7 +107,7 @@ def merge_params(readings) -> RankParams:
         for k, v in r.matrix_numel.items():
             matrix[k] = matrix.get(k, 0) + v
     return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix,
-                      matrices)
+                      sum(r.fsdp_param_bytes for r in readings), matrices)
 
 
 def read_params(parts) -> RankParams:
