@@ -385,3 +385,17 @@ def test_pooled_balance_loss_compiled_blocks_equal_eager():
     eager, compiled = router_grads(False), router_grads(True)
     for a, b in zip(eager, compiled):
         assert (a - b).norm() <= 1e-6 * a.norm(), ((a - b).norm() / a.norm()).item()
+
+
+def test_pooled_balance_loss_is_refused_under_pp_in_one_line():
+    """Pipeline stages hold different layers and cannot pool their routing: one line naming the
+    field and the fixes; the per-layer scope, or no loss, is accepted."""
+    from configuration.fields import ConfigError
+    from trainer.config import load_config
+
+    pp = ["--model.name", "qwen3", "--model.flavor", "30B-A3B", "--parallelism.pipeline_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match=r"moe\.aux_loss_scope: 'model' pools") as e:
+        load_config(pp)
+    assert "\n" not in str(e.value) and "--moe.aux_loss_scope batch" in str(e.value)
+    assert load_config(pp + ["--moe.aux_loss_scope", "batch"]).model_args.aux_loss_scope == "batch"
+    assert load_config(pp + ["--moe.aux_loss_coeff", "0"]).model_args.aux_loss_coeff == 0
