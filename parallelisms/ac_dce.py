@@ -60,18 +60,39 @@ def _same_nodes() -> dict:
 _SAME_NODE = _same_nodes()
 
 
+def pack_meta(x: torch.Tensor, seen: dict, j: int) -> tuple:
+    """What the `j`-th pack of a call must share with the recorded call's `j`-th pack for a replay
+    or a direct recompute built from that call to hold: its shape, dtype and the op that made it
+    (its `grad_fn`'s type), and, for a plain tensor, its strides, its offset in its storage and
+    which earlier pack of the call shares that storage. The kept outputs are cut from packs, and
+    the direct steps read them, by the recorded (size, stride, offset) on the recorded storages:
+    a pack with another offset or transposed strides, or two packs that shared a storage and no
+    longer do (or the other way round), would hand backward other memory than the forward's.
+    `seen`: the call's storages so far (held, so that no address is reused within the call)."""
+    node = type(x.grad_fn)
+    node = _SAME_NODE.get(node, node)
+    if type(x) is not torch.Tensor and type(x) is not nn.Parameter:
+        return x.shape, x.dtype, node, None, None, None  # (a subclass: its own layout is not ours to check)
+    storage = x.untyped_storage()
+    first = seen.get(storage._cdata)
+    if first is None:
+        first = seen[storage._cdata] = (j, storage)
+    return x.shape, x.dtype, node, x.stride(), x.storage_offset(), first[0]
+
+
+def pack_metas(packs: list) -> list:
+    """`pack_meta` of each pack of one call, in order."""
+    seen: dict = {}
+    return [pack_meta(x, seen, j) for j, x in enumerate(packs)]
+
+
 def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
-    """The index of `x` among a recorded call's packs when it is the pack recorded there (shape,
-    dtype, the op that made it); else None, and `listener.ok` turns False for the rest of the call."""
+    """The index of `x` among a recorded call's packs when it is the pack recorded there (`pack_meta`:
+    shape, dtype, the op that made it, strides, offset, aliasing; `listener.seen` holds the call's
+    storages); else None, and `listener.ok` turns False for the rest of the call."""
     j = listener.count
     listener.count = j + 1
-    if not listener.ok or j >= len(metas):
-        listener.ok = False
-        return None
-    shape, dtype, grad_fn = metas[j]
-    node = type(x.grad_fn)
-    if x.shape != shape or x.dtype != dtype or \
-            (node is not grad_fn and _SAME_NODE.get(node, node) is not _SAME_NODE.get(grad_fn, grad_fn)):
+    if not listener.ok or j >= len(metas) or pack_meta(x, listener.seen, j) != metas[j]:
         listener.ok = False
         return None
     return j
@@ -221,6 +242,7 @@ class CallRecorder:
     pack_refs: list = field(default_factory=list)
     written: set = field(default_factory=set)
     out_views: list = field(default_factory=list)  # per event, (size, stride, offset) per tensor output
+    scalars: tuple = ()  # the block's Python numbers when recorded (`ac_direct.scalar_state`)
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
         in_keys = _storage_keys((args, kwargs), self.alive)

@@ -33,20 +33,68 @@ step would draw random numbers, be non-aten or multi-output-with-subclass, or be
 anything but a storage made in the block that only in-place ops wrote (RMSNorm's `add_` of
 eps runs as a step after the `mean` it writes), or a needed storage is neither made in the
 block nor packed;
-nor under autocast. If the forward's packs differ from the replay's, the call drops
-nothing: it keeps what `none` keeps (exact), and the block goes back to the mode path.
+nor under autocast, nor when a recorded op's output shape or value comes from data
+(`nonzero`, `.item()`: the steps replay the recorded arguments). If the forward's packs
+differ from the replay's (`ac_dce.pack_meta`: shape, dtype, the op that made them, strides,
+storage offset, which packs share a storage), or a Python number of the block changed since
+it was recorded (`scalar_state`: the steps replay the recorded numbers, e.g. a scale that a
+schedule moves), the call drops nothing: it keeps what `none` keeps (exact), and the block
+goes back to the mode path. A number the forward reads from outside the block's modules
+(a global, a non-tensor argument of the block's call) is not seen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from parallelisms.ac_dce import CallRecorder, Ref, pack_matches
-from parallelisms.ac_ops import draws_random
+from parallelisms.ac_ops import DATA_DEPENDENT_TAGS, draws_random
+
+_NUMBERS = (bool, int, float)
+_MISSING = object()
+
+
+def scalar_state(block) -> tuple:
+    """((object, attribute, value), ...) for every Python number (or tuple of numbers) an
+    attribute of the block's modules holds, and every number field of a dataclass one of them
+    holds (model args): what the forward may pass to an op as a scalar, and so what a direct
+    recompute, which replays the recorded arguments, must find unchanged (`scalars_hold`)."""
+    if block is None:
+        return ()
+    out, seen = [], set()
+    for module in block.modules():
+        for name, v in vars(module).items():
+            if type(v) in _NUMBERS or (type(v) is tuple and all(type(e) in _NUMBERS for e in v)):
+                out.append((module, name, v))
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type) and id(v) not in seen:
+                seen.add(id(v))
+                out += [(v, f.name, getattr(v, f.name)) for f in dataclasses.fields(v)
+                        if type(getattr(v, f.name, None)) in _NUMBERS]
+    return tuple(out)
+
+
+def scalars_hold(state: tuple) -> bool:
+    """Whether every number of a `scalar_state` still has its recorded value."""
+    for obj, name, value in state:
+        now = getattr(obj, name, _MISSING)
+        if now is not value and now != value:
+            return False
+    return True
+
+
+def data_dependent_step(rec: CallRecorder) -> str:
+    """The first recorded op (before the last pack) whose output shape or value is read from
+    data, as its name; "" when there is none. The direct steps replay the recorded arguments,
+    so a later call with other data would rebuild its packs from the wrong sizes or numbers."""
+    for e in rec.events[:rec.stop]:
+        if any(tag in getattr(e.func, "tags", ()) for tag in DATA_DEPENDENT_TAGS):
+            return str(e.func)
+    return ""
 
 
 @dataclass
@@ -58,8 +106,9 @@ class Direct:
     sources: dict  # storage -> the first kept pack on it (the base of its Refs)
     steps: list  # `_step`s with what each frees (`_with_frees`), in forward order
     packs: list  # per pack: its Ref
-    metas: list  # per pack: (shape, dtype, type of grad_fn), as the replay's
+    metas: list  # per pack: its `ac_dce.pack_meta`, as the replay's
     lost: list  # per pack not kept: (its index, storage, view or None: the rebuilt tensor itself)
+    scalars: tuple = ()  # the block's numbers when recorded (`scalar_state`)
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute context) for `checkpoint(context_fn=...)`;
@@ -89,9 +138,14 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list, why: list | 
         kept_keys.update(k for k, _ in rec.calls[i][1])
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
         return _refuse(why, "autocast is on")
-    for ref, (shape, dtype, _) in zip(rec.pack_refs, metas):
-        if ref.size != shape or ref.dtype != dtype:
+    first: dict = {}
+    for j, (ref, (shape, dtype, _, stride, offset, alias)) in enumerate(zip(rec.pack_refs, metas)):
+        if (ref.size, ref.dtype, ref.stride, ref.offset, first.setdefault(ref.key, j)) != \
+                (shape, dtype, stride, offset, alias):
             return _refuse(why, "the recorded packs differ from the replay's")
+    step = data_dependent_step(rec)
+    if step:
+        return _refuse(why, f"{step}'s output depends on data")
     made = rec.origin
     keep = [r.key in kept_keys or (r.key not in made and r.key not in rec.written) for r in rec.pack_refs]
     sources: dict = {}
@@ -147,7 +201,7 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list, why: list | 
             for j, r in enumerate(rec.pack_refs) if not keep[j]]
     steps = _with_frees(steps, set(sources) | {key for _, key, _ in lost})
     cached = [r.key in kept_keys for r in rec.pack_refs]
-    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas, lost)
+    return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas, lost, rec.scalars)
 
 
 def _with_frees(steps: list, kept: set) -> list:
@@ -226,13 +280,14 @@ class _DirectCall:
     Otherwise nothing is dropped: the call keeps what `none` keeps, and the block goes back
     to the dispatch-mode path."""
 
-    __slots__ = ("direct", "listeners", "on_mismatch", "count", "ok", "slots", "sources", "lost")
+    __slots__ = ("direct", "listeners", "on_mismatch", "count", "ok", "slots", "sources", "lost", "seen")
 
     def __init__(self, direct: Direct, listeners: list, on_mismatch):
         self.direct, self.listeners, self.on_mismatch = direct, listeners, on_mismatch
 
     def __enter__(self):
-        self.count, self.ok, self.slots, self.sources, self.lost = 0, True, [], None, None
+        self.count, self.slots, self.sources, self.lost, self.seen = 0, [], None, None, {}
+        self.ok = scalars_hold(self.direct.scalars)  # (else: a number changed; keep every pack)
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         return self
 
@@ -256,7 +311,7 @@ class _DirectCall:
 
     def __exit__(self, exc_type, *exc):
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        slots, self.slots = self.slots, None
+        slots, self.slots, self.seen = self.slots, None, None
         if exc_type is not None:
             return False
         direct = self.direct

@@ -41,7 +41,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as P
 from torch.utils.checkpoint import noop_context_fn
 
-from parallelisms.ac_dce import CallRecorder
 from parallelisms.ac_direct import Direct, _DirectCall, build_direct
 from parallelisms.ac_modes import make_sac_modes
 from parallelisms.ac_sac import SAC_CACHE_LISTENERS, OpSACPolicy
@@ -49,19 +48,6 @@ from parallelisms.ac_trace import trace_enabled, trace_line
 from parallelisms.activation_checkpoint import ACPolicy, OpSAC
 
 logger = logging.getLogger("ac")
-
-_DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
-
-
-def data_dependent_step(rec: CallRecorder) -> str:
-    """The first recorded op (before the last pack) whose output shape or value is read from
-    data, as its name; "" when there is none. The direct steps replay the recorded arguments,
-    so a later call with other data would rebuild its packs from the wrong sizes."""
-    for e in rec.events[:rec.stop]:
-        if any(tag in getattr(e.func, "tags", ()) for tag in _DATA_DEPENDENT):
-            return str(e.func)
-    return ""
-
 
 class FullCall(_DirectCall):
     """The forward context of a `full` block's direct call (see the module docstring): a
@@ -88,7 +74,7 @@ class FullCall(_DirectCall):
     def __exit__(self, exc_type, *exc):
         if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
             torch._C._autograd._pop_saved_tensors_default_hooks()
-            slots, self.slots = self.slots, None
+            slots, self.slots, self.seen = self.slots, None, None
             for slot in slots:  # what the checkpoint's hook would have made of each pack, in order
                 slot.x = self.outer_pack(slot.x)
             self.fell_back = True
@@ -141,10 +127,6 @@ class FullAC(OpSAC):
             if plan.replay is not None:
                 build_direct(plan.source, [], plan.replay.metas, reasons)
             why = reasons[0] if reasons else "no replay of its forward"
-        else:
-            step = data_dependent_step(plan.source)
-            if step:
-                direct, why = None, f"{step}'s output depends on data"
         text = (f"recomputes {len(direct.steps)} ops directly, holds {sum(direct.keep)} of "
                 f"{len(direct.keep)} packs" if direct is not None else f"torch's checkpoint: {why}")
         logger.info("activation checkpointing full: %s %s", prefix, text)

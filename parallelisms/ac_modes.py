@@ -10,7 +10,7 @@ replays them by the same index). Ours subclass them to
   other does not, and counted they would shift the invocation index of every later call
   of the same op;
 - answer `Placeholder` and in-place-skip entries in the recompute without running the op;
-- call `policy.finish(storage, counts)` when the forward ends.
+- call `policy.open()` when the forward starts and `policy.finish(storage, counts)` when it ends.
 
 Only private torch names are used here (guarded: on a torch without them the plain
 modes run). Under torch.compile, torch's own code runs.
@@ -34,6 +34,8 @@ def make_sac_modes(policy) -> tuple:
     - runtime ops and parameter casts bypass the cache (on torch 2.13 the recompute
       replays the cache by per-op index without calling the policy, so an op that only
       one pass runs must not be counted);
+    - when the forward starts, `policy.open()` registers its pack listeners (a no-grad
+      forward, which torch's checkpoint runs without entering the modes, registers none);
     - when the forward ends, `policy.finish(storage, counts)` may release cache entries
       that the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
     - a `Placeholder` entry is answered in the recompute with an empty tensor of the
@@ -202,6 +204,12 @@ def _mode_classes() -> dict:
             else:
                 entries[index] = _RECOMPUTE
             return out
+
+        def __enter__(self):
+            opened = getattr(self.policy_fn, "open", None)
+            if opened is not None:  # (its pack listeners: only while this forward runs)
+                opened()
+            return super().__enter__()
 
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)

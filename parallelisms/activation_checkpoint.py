@@ -302,7 +302,8 @@ class OpSAC(ACPolicy):
     def block_info(self, block: nn.Module | None, prefix: str) -> dict:
         """What the rules want to know about a block, once, when it is wrapped (each
         call's `OpSACPolicy.info`)."""
-        return {"prefix": prefix, "plan_key": (block_kind(block), prefix) if self.plans is not None else None}
+        return {"prefix": prefix, "plan_key": (block_kind(block), prefix) if self.plans is not None else None,
+                "block": block}
 
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
