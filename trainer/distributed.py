@@ -34,12 +34,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device, timeout_s: int) -> str | None:
-    """Initialises the default process group when WORLD_SIZE > 1; returns the backend."""
+def init_distributed(device: torch.device, timeout_s: int, cpu_collectives: bool = False) -> str | None:
+    """Initialises the default process group when WORLD_SIZE > 1; returns the backend.
+
+    `cpu_collectives` (fsdp_cpu_offload on a GPU): the sharded parameters, gradients and
+    optimizer states live in host memory, and what reads them across ranks (gradient
+    clipping's norm, Muon's assembly, a checkpoint's gather) runs collectives on CPU tensors,
+    which NCCL cannot. Every group then carries gloo for CPU tensors beside NCCL."""
     global _timeout_s
     if world_size() == 1:
         return None
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

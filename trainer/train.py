@@ -76,7 +76,8 @@ class Trainer:
         # First, so that a preemption signal during start-up is remembered, not fatal.
         self.preemption = PreemptionHandler()
         self.device = tdist.pick_device(t.device)
-        self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds,
+                                              cpu_collectives=cfg.parallelism.fsdp_cpu_offload)
         self.rank = global_rank()
         if cfg.model_args is None:  # a JobConfig built in code, not by load_config
             cfg.validate()
