@@ -155,7 +155,8 @@ def orthogonalize(updates: list[torch.Tensor], params: list[torch.Tensor],
     for (mesh, _, _), idx in groups.items():
         levels = _levels(params[idx[0]])
         local = updates[idx[0]].shape
-        x = torch.stack([updates[i] for i in idx]).reshape(-1, *local[-2:])  # [J, m_local, n_local]
+        # [J, m_local, n_local]; J spelt out: a rank's shard of a matrix dim may be empty (9 rows on 4 ranks)
+        x = torch.stack([updates[i] for i in idx]).reshape(len(idx) * math.prod(local[:-2]), *local[-2:])
         rows = []
         for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
             rows.append(x.shape[0])

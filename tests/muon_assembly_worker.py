@@ -8,7 +8,8 @@ matrices of 7 x 5 and 6 x 7: uneven chunks on both the stack and the matrix dims
 rank writes OUT_DIR/rank<r>.json: the matrices and NS FLOPs its `fn` received, per layout,
 and the largest difference of its result shards from NS of the whole matrix on one rank
 (taken through the same TP + FSDP layout). Then the grouping: four params on two equal but
-distinct mesh objects, which must make one stack (one `fn` call per rank).
+distinct mesh objects, which must make one stack (one `fn` call per rank); and a 3-row
+matrix over dp 2 then tp 2, which leaves one rank an empty shard.
 """
 
 from __future__ import annotations
@@ -85,8 +86,17 @@ def main(out_dir: str) -> None:
     twin_out = orthogonalize([t.to_local() for t in twins], twins, lambda x: calls.append(x.shape[0]) or ns(x))
     twin_err = max((o - distribute_tensor(ns(full[k][None])[0], mesh, [Shard(0), Shard(1)]).to_local())
                    .abs().max().item() for k, o in enumerate(twin_out))
+
+    # An empty shard: 3 rows over dp 2 then tp 2 leave rank (dp 1, tp 1) none (chunks 2, 1 -> 1, 0).
+    thin = torch.randn(2, 3, 5)
+    rows = [distribute_tensor(thin[k], mesh, [Shard(0), Shard(0)]) for k in range(2)]
+    empty_out = orthogonalize([t.to_local() for t in rows], rows, ns)
+    empty_want = [distribute_tensor(ns(thin[k][None])[0], mesh, [Shard(0), Shard(0)]).to_local() for k in range(2)]
+    assert all(o.shape == w.shape for o, w in zip(empty_out, empty_want))
+    empty_err = max(((o - w).abs().max().item() if o.numel() else 0.0) for o, w in zip(empty_out, empty_want))
     result = {"received": received, "err": err, "placements": placements, "meshes_distinct": mesh2 is not mesh,
-              "meshes_equal": mesh2 == mesh, "twin_calls": calls, "twin_err": twin_err}
+              "meshes_equal": mesh2 == mesh, "twin_calls": calls, "twin_err": twin_err,
+              "empty_rows": [t.to_local().shape[0] for t in rows], "empty_err": empty_err}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
