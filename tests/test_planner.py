@@ -362,3 +362,28 @@ def test_pipeline_with_fsdp_reads_the_unsharded_gradients_off_its_reference():
         assert got.tensors == pytest.approx(exact.total, rel=0.01), (accum, got.tensors, exact.total)
         # --predict's reading of the plan itself is the estimator's, accumulation included
         assert mm.exact(plan).tensors == exact.total and mm.exact(plan).total == exact.device_total
+
+
+def test_a_search_skips_pipelines_for_the_pooled_balance_loss():
+    """Qwen3-MoE's balance loss pooled over every MoE layer (HF's, the scope its flavors and HF
+    imports default to) is refused under PP, as a layout check: the search leaves the PP
+    layouts out and finds the others (it used to stop at the first PP layout with that line,
+    so `plan.py --config qwen3_30b_a3b.toml --gpus 8` planned nothing)."""
+    from planner.cli import NEUTRAL, parse, space_for
+    from planner.hardware import KNOWN
+    from planner.memory import MemoryModel
+    from planner.search import Search
+    from planner.workload import workload_of
+    from trainer.config import load_config
+
+    hw = KNOWN["h100-sxm"]
+    argv = ["--config", "qwen3_moe_debug.toml", "--data.type", "synthetic", "--training.seq_len", "128",
+            "--moe.aux_loss_scope", "model", *NEUTRAL]
+    cfg = load_config(argv)
+    assert cfg.model_args.aux_loss_scope == "model" and cfg.model_args.aux_loss_coeff > 0
+    w = workload_of(cfg, hw)
+    search = Search(cfg, argv, w, hw, 2, 128, 8, space_for(parse(["--ac", "full"])[0], hw),
+                    MemoryModel(argv, hw.device, hw.gpus_per_node))
+    assert any(s.pp > 1 for s in search.skeletons())  # there are PP layouts to leave out
+    found = search.run(3)
+    assert found and all(r.plan.pp == 1 for r in found), [r.plan for r in found]

@@ -136,17 +136,6 @@ def _apply_overrides(cfg, spec, args):
     return dataclasses.replace(args, **changes) if changes else args
 
 
-def _check_balance_scope(cfg, args) -> None:
-    """The pooled balance loss needs every MoE layer in one forward: not under PP."""
-    pooled = getattr(args, "aux_loss_scope", None) == "model" and getattr(args, "aux_loss_coeff", 0) > 0 and \
-        getattr(args, "n_routed_experts", 0) > 0
-    if pooled and cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError("config error: moe.aux_loss_scope: 'model' pools the routing of every MoE layer into one "
-                          "balance loss (HF's), which pipeline stages cannot share; under pipeline_parallel_degree "
-                          f"{cfg.parallelism.pipeline_parallel_degree} use --moe.aux_loss_scope batch (one loss per "
-                          "layer) or --moe.aux_loss_coeff 0")
-
-
 def resolve_model(cfg) -> tuple[Any, Any]:
     """(ModelSpec, model args) of the run `cfg` (a JobConfig) describes, or a one-line
     ConfigError. Writes the resolved model name (and flavor, without hf_path) back into
@@ -154,7 +143,6 @@ def resolve_model(cfg) -> tuple[Any, Any]:
     m = cfg.model
     spec, args = _from_hf(m) if m.hf_path else _from_flavor(m)
     args = _apply_overrides(cfg, spec, args)
-    _check_balance_scope(cfg, args)
     m.name = spec.name
     if not m.hf_path:
         m.flavor = m.flavor or DEFAULT_FLAVOR
