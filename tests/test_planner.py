@@ -382,8 +382,8 @@ def test_a_search_skips_pipelines_for_the_pooled_balance_loss():
     cfg = load_config(argv)
     assert cfg.model_args.aux_loss_scope == "model" and cfg.model_args.aux_loss_coeff > 0
     w = workload_of(cfg, hw)
-    search = Search(cfg, argv, w, hw, 2, 128, 8, space_for(parse(["--ac", "full"])[0], hw),
+    search = Search(cfg, argv, w, hw, 2, 128, 8, space_for(parse(["--ac", "full", "--compile", "off", "--float8", "off"])[0], hw),
                     MemoryModel(argv, hw.device, hw.gpus_per_node))
     assert any(s.pp > 1 for s in search.skeletons())  # there are PP layouts to leave out
-    found = search.run(3)
+    found = search.run(2)
     assert found and all(r.plan.pp == 1 for r in found), [r.plan for r in found]
