@@ -38,7 +38,7 @@ class MoEConfig:
     aux_loss_coeff: float | None = opt(
         None, "Coefficient of the balance loss (DeepSeek V3's alpha; with scope model HF's router_aux_loss_coef), "
         "normalised once per global batch; 0 = off. Default: the model's own (DeepSeek V3 0; Qwen3 MoE flavors "
-        "0.001; from an HF folder its router_aux_loss_coef, or 0 with output_router_logits false).", min=0.0)
+        "0.001, debug_moe 0.002 per layer; from an HF folder its router_aux_loss_coef, or 0 with output_router_logits false).", min=0.0)
     aux_loss_scope: str | None = opt(
         None, "What one balance-loss term covers. sequence: each sequence (DeepSeek V3), averaged over the global "
         "batch's sequences whatever the layout. batch: all tokens of one forward (a microbatch on one data rank, "
