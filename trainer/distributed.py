@@ -124,17 +124,6 @@ def set_seed(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def resolve_dtype(name: str, device: torch.device, allow_on_cpu: bool) -> torch.dtype:
-    """bf16 where it is fast and supported; fp32 on CPU unless explicitly asked."""
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-    if dtype == torch.bfloat16:
-        if device.type == "cpu" and not allow_on_cpu:
-            return torch.float32
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return torch.float32
-    return dtype
-
-
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
