@@ -72,8 +72,11 @@ class FullCall(_DirectCall):
         return super().unpack(slot)
 
     def __exit__(self, exc_type, *exc):
-        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
+        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)
+                                 or (self.direct.inputs and self.args is None)):
             torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._stop_taking_args()
+            self.args = None
             slots, self.slots, self.seen = self.slots, None, None
             for slot in slots:  # what the checkpoint's hook would have made of each pack, in order
                 slot.x = self.outer_pack(slot.x)
@@ -158,6 +161,7 @@ class FullAC(OpSAC):
             return make_sac_modes(OpSACPolicy(frozenset(), rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = None  # type: ignore[attr-defined]
+        context_fn.inputs_hook = self.watch_inputs(block)  # type: ignore[attr-defined]
         return context_fn
 
 
