@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 from parallelisms.ac_dce import INPUT_LISTENERS, CallRecorder, Ref, pack_matches, plain_data, tensor_args
 from parallelisms.ac_ops import DATA_DEPENDENT_TAGS, draws_random
 
+logger = logging.getLogger("ac")
 _NUMBERS = (bool, int, float)
 _MISSING = object()
 
@@ -302,7 +304,8 @@ class _DirectCall:
     Otherwise nothing is dropped: the call keeps what `none` keeps, and the block goes back
     to the dispatch-mode path."""
 
-    __slots__ = ("direct", "listeners", "on_mismatch", "count", "ok", "slots", "sources", "lost", "seen", "args")
+    __slots__ = ("direct", "listeners", "on_mismatch", "count", "ok", "slots", "sources", "lost", "seen", "args",
+                 "autocast")
 
     def __init__(self, direct: Direct, listeners: list, on_mismatch):
         self.direct, self.listeners, self.on_mismatch = direct, listeners, on_mismatch
@@ -369,6 +372,7 @@ class _DirectCall:
             self.args = None
             return False
         self.sources = {key: slots[j] for key, j in direct.sources.items()}
+        self.autocast = _autocast_on()
         self.lost = [(slots[j], key, view) for j, key, view in direct.lost]
         for slot, _, _ in self.lost:
             slot.x = None
@@ -381,6 +385,14 @@ class _DirectCall:
         return False
 
     def _rebuild(self) -> None:
+        if self.autocast and not _autocast_on():
+            # Under autocast the held packs include the weights' casts, which autocast caches for
+            # its region anyway: free while backward runs in the forward's region (the trainer),
+            # but held past it here (a loop whose backward runs outside the region). This call
+            # is exact; the block's next calls go back to the path that casts again.
+            logger.info("activation checkpointing: a direct recompute ran outside its forward's autocast "
+                        "region; that block leaves the direct path")
+            self.on_mismatch()
         bases = {key: slot.x for key, slot in self.sources.items()}
         for key, (x, version) in (self.args or {}).items():
             if x._version != version:  # (what the checkpoint's own saved inputs would raise)
@@ -416,10 +428,17 @@ class _DirectCall:
         self.sources = self.lost = self.args = None  # (the slots autograd holds keep what they need)
 
 
+def _autocast_devices() -> list:
+    return [d for d in ("cpu", "cuda") if (d == "cpu" or torch.cuda.is_available()) and torch.is_autocast_enabled(d)]
+
+
+def _autocast_on() -> bool:
+    return bool(_autocast_devices())
+
+
 def _autocast_off():
     """Autocast off on every device it is on (for the steps: see `_DirectCall._rebuild`)."""
     stack = contextlib.ExitStack()
-    for device in ("cpu", "cuda"):
-        if (device == "cpu" or torch.cuda.is_available()) and torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
+    for device in _autocast_devices():
+        stack.enter_context(torch.autocast(device, enabled=False))
     return stack
