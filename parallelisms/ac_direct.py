@@ -15,7 +15,10 @@ by storage and view) this module works out, once per block:
   SAC keeps (the plan's kept set, found through the replay) and those on storages from
   outside the block (its input, the weights, the RoPE table): nothing more than SAC keeps;
 - which ops must run to rebuild the others (`steps`): backwards from each other pack's
-  storage to the op that made it, through its arguments, stopping at kept storages. Views
+  storage to the op that made it, through its arguments, stopping at kept storages and at
+  the block's own arguments (`inputs`: a bf16 residual stream is read only by RMSNorm's
+  `x.float()` and the residual add, neither of which packs it; the call takes them from a
+  forward pre-hook, `ac_dce.watch_block_inputs`, checked against the recorded ones). Views
   are not steps: every argument is rebuilt with `as_strided` on its storage, or passed as
   it is where it is exactly the tensor held for that storage. Each step's arguments are
   laid out once (`_step`): at the CPU's op rate a tree walk per step cost a point of
@@ -32,8 +35,8 @@ docs/performance.md). Not built (the replay's dispatch-mode recompute runs inste
 step would draw random numbers, be non-aten or multi-output-with-subclass, or be in-place on
 anything but a storage made in the block that only in-place ops wrote (RMSNorm's `add_` of
 eps runs as a step after the `mean` it writes), or a needed storage is neither made in the
-block nor packed;
-nor under autocast, nor when a recorded op's output shape or value comes from data
+block, nor packed, nor an argument of its call (a buffer: DeepSeek's router);
+nor when a recorded op's output shape or value comes from data
 (`nonzero`, `.item()`: the steps replay the recorded arguments). If the forward's packs
 differ from the replay's (`ac_dce.pack_meta`: shape, dtype, the op that made them, strides,
 storage offset, which packs share a storage), or a Python number of the block changed since
@@ -41,6 +44,12 @@ it was recorded (`scalar_state`: the steps replay the recorded numbers, e.g. a s
 schedule moves), the call drops nothing: it keeps what `none` keeps (exact), and the block
 goes back to the mode path. A number the forward reads from outside the block's modules
 (a global, a non-tensor argument of the block's call) is not seen.
+
+Under autocast the recorded steps are the ops autocast already cast for, so they run with
+autocast off (exact wherever backward runs); the weights' bf16 casts are held as packs from
+outside the block, which autocast's cache holds anyway while backward runs in the forward's
+autocast region (the trainer). A recompute outside that region is exact, and sends its block
+back to the path that casts again (docs/activation_checkpointing.md, "Precision").
 """
 
 from __future__ import annotations

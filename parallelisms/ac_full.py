@@ -27,8 +27,9 @@ that machinery cost about 8.5 points of step time beyond the recomputed FLOPs, a
 torch's checkpoint runs (from the first call) under compile, and from call 3 where the direct
 recompute is not built: a step that draws random numbers, is not aten (collectives: EP, CP),
 reads a tensor subclass (TP's DTensors) or a tensor from outside the block that autograd does
-not pack (DeepSeek's MoE router reads a buffer), runs under autocast, or has an output whose
-shape or value depends on data (`nonzero`, `item`: the recorded arguments would not hold).
+not pack and that is no argument of the block's call (DeepSeek's MoE router reads a buffer), or
+has an output whose shape or value depends on data (`nonzero`, `item`: the recorded arguments
+would not hold). bf16 params and autocast take the direct path (`ac_direct`).
 Each block logs which path it took, and why (`ac` logger; `AC_TRACE FULL ...`).
 """
 

@@ -117,3 +117,31 @@ def test_direct_recompute_runs_under_bf16_and_autocast_bitwise(paths, mode, sett
     held = got[2][3]
     outside = [*model.parameters(), *model.buffers()]
     assert len(held) == blocks and all(_held_bytes(h, outside) == claim + casts for h in held)
+
+
+def test_a_bf16_leaf_input_is_cast_like_any_tensor(paths):
+    """A pipeline stage's first block receives a leaf that requires grad. Its `.float()`
+    (RMSNorm, bf16 params) was taken for a parameter cast (`ac_modes.is_param_cast`, for
+    autocast's cached weight casts), bypassed the SAC cache and went unrecorded: the direct
+    recompute then held the fp32 copy as a tensor from outside the block (8 KiB here, a
+    [tokens, dim] fp32 per stage), beyond what `op` counts, and `saved_activation_bytes` with a
+    leaf input undercounted `budget` by the same copy. Autocast only caches fp32 sources."""
+    from parallelisms.ac_measure import saved_activation_bytes
+    base = seeded_llama("debug_small").to(torch.bfloat16)
+    x, rope = block_inputs(base, batch=2, seq=16)
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="op"))
+    block, plain = model.layers["0"], base.layers["0"]
+    for call in range(3):
+        got = []
+        for blk in (plain, block):
+            blk.zero_grad(set_to_none=True)
+            leaf = x.detach().to(torch.bfloat16).requires_grad_(True)
+            (blk(leaf, rope).float() * torch.linspace(-1, 1, x.shape[-1])).sum().backward()
+            got.append([leaf.grad] + [p.grad for p in blk.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), call
+    assert paths[0]["rebuilds"] == 1 and len(paths[1]) == 1  # (call 3: the direct path)
+    leaf = x.detach().to(torch.bfloat16).requires_grad_(True)
+    claims = {m: saved_activation_bytes(copy.deepcopy(plain), leaf, rope, mode=m) for m in ("op", "budget")}
+    assert _held_bytes(paths[1][0], [*model.parameters(), *model.buffers(), rope]) == claims["op"]
+    assert claims["budget"] == saved_activation_bytes(copy.deepcopy(plain), leaf * 1, rope, mode="budget")
