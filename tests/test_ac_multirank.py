@@ -49,10 +49,10 @@ def _batches():
             for _ in range(STEPS)]
 
 
-def _train(model, batches, rows=slice(None), paths=None):
-    """Loss and full gradients per step. With `paths` (a Counter that the worker's patches
-    bump: "rebuilds" of a direct recompute, "reruns" of a block by torch's checkpoint), each
-    step's counts are appended to `paths.steps` (a list)."""
+def _train(model, batches, rows=slice(None), paths=None, per_step=None):
+    """Loss and full gradients per step. With `paths` (`ac_helpers.count_direct_paths`:
+    "rebuilds" of a direct recompute, "reruns" of a block by torch's checkpoint), each step's
+    counts are appended to `per_step`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for tokens, labels in batches:
@@ -62,7 +62,7 @@ def _train(model, batches, rows=slice(None), paths=None):
         loss = F.cross_entropy(model(tokens[rows]).flatten(0, 1).float(), labels[rows].flatten())
         loss.backward()
         if paths is not None:
-            paths.steps.append((paths["rebuilds"], paths["reruns"]))
+            per_step.append((paths["rebuilds"], paths["reruns"]))
         grads = {}
         for n, p in model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -70,31 +70,6 @@ def _train(model, batches, rows=slice(None), paths=None):
         out.append((loss.detach().clone(), grads))
         opt.step()
     return out
-
-
-def _count_paths():
-    """A Counter bumped by every direct rebuild and every block re-run by torch's checkpoint."""
-    import collections
-
-    from torch.utils import checkpoint as torch_checkpoint
-
-    from parallelisms.ac_direct import _DirectCall
-
-    paths = collections.Counter()
-    paths.steps = []
-    rebuild, rerun = _DirectCall._rebuild, torch_checkpoint._run_fn_with_dynamo_disabled
-
-    def counted_rebuild(self):
-        paths["rebuilds"] += 1
-        return rebuild(self)
-
-    def counted_rerun(fn, *args):
-        paths["reruns"] += 1
-        return rerun(fn, *args)
-
-    _DirectCall._rebuild = counted_rebuild
-    torch_checkpoint._run_fn_with_dynamo_disabled = counted_rerun
-    return paths
 
 
 def _worker(rank: int, port: int, out_path: str):
@@ -105,6 +80,7 @@ def _worker(rank: int, port: int, out_path: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
+    from tests.ac_helpers import count_direct_paths
     from trainer.distributed import exit_process
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -112,7 +88,7 @@ def _worker(rank: int, port: int, out_path: str):
         mesh = init_device_mesh("cpu", (WORLD,))
         batches = _batches()
         results = {}
-        paths = _count_paths()
+        paths = count_direct_paths()
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for name, mode, *precision in CASES + BF16_CASES:
             model, spec = _build(name)
@@ -121,14 +97,14 @@ def _worker(rank: int, port: int, out_path: str):
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh, mp_policy=mp_policy)
             fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-            paths.steps = []
-            run = _train(model, batches, rows=slice(2 * rank, 2 * rank + 2), paths=paths)
+            per_step: list = []
+            run = _train(model, batches, rows=slice(2 * rank, 2 * rank + 2), paths=paths, per_step=per_step)
             # Each rank's loss is its local mean; the global mean is their average.
             for loss, _ in run:
                 dist.all_reduce(loss)
                 loss /= WORLD
             results[(name, mode, *precision)] = run
-            results[("paths", name, mode, *precision)] = paths.steps
+            results[("paths", name, mode, *precision)] = per_step
         if rank == 0:
             torch.save(results, out_path)
     finally:

@@ -13,46 +13,23 @@ the same precision.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils import checkpoint as torch_checkpoint
 
-from parallelisms.ac_direct import _DirectCall
 from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
-from tests.ac_helpers import block_inputs, clean_name, seeded_llama, token_batches
+from tests.ac_helpers import block_inputs, clean_name, count_direct_paths, seeded_llama, token_batches
 
 
 @pytest.fixture
 def paths(monkeypatch):
-    """Per step: the direct rebuilds, torch's checkpoint re-running a block, and for each
-    direct call whose forward ended, the tensors it holds then (its packs and arguments)."""
-    count = collections.Counter()
+    """(Counter of direct rebuilds and torch's re-runs of a block, the tensors each direct call
+    holds after its forward): `ac_helpers.count_direct_paths`."""
     held: list = []
-    rebuild, rerun, exit_ = _DirectCall._rebuild, torch_checkpoint._run_fn_with_dynamo_disabled, _DirectCall.__exit__
-
-    def counted_rebuild(self):
-        count["rebuilds"] += 1
-        return rebuild(self)
-
-    def counted_rerun(fn, *args):
-        count["reruns"] += 1
-        return rerun(fn, *args)
-
-    def noted_exit(self, *exc):
-        slots = self.slots
-        out = exit_(self, *exc)
-        held.append([s.x for s in slots if s.x is not None] + [x for x, _ in (self.args or {}).values()])
-        return out
-
-    monkeypatch.setattr(_DirectCall, "_rebuild", counted_rebuild)
-    monkeypatch.setattr(torch_checkpoint, "_run_fn_with_dynamo_disabled", counted_rerun)
-    monkeypatch.setattr(_DirectCall, "__exit__", noted_exit)
-    return count, held
+    return count_direct_paths(monkeypatch.setattr, held), held
 
 
 def _held_bytes(tensors, outside) -> int:
