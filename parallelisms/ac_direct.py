@@ -121,11 +121,12 @@ class Direct:
     lost: list  # per pack not kept: (its index, storage, view or None: the rebuilt tensor itself)
     scalars: tuple = ()  # the block's numbers when recorded (`scalar_state`)
     # The block's tensor arguments that steps read and no kept pack holds (a bf16 residual
-    # stream): ((position among the call's tensor arguments, storage), ...), and per tensor
-    # argument what a later call's must match (size, stride, offset, dtype, the first argument
-    # on its storage; None: a subclass), or None when no step reads an argument.
+    # stream): ((position among the call's tensor arguments, storage), ...); what a later call
+    # must match: its number of tensor arguments, and for each argument on a storage the steps
+    # read, (position, (size, stride, offset, dtype), the first argument on that storage).
     inputs: tuple = ()
-    arg_metas: tuple | None = None
+    n_args: int = 0
+    arg_checks: tuple = ()
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute context) for `checkpoint(context_fn=...)`;
@@ -229,12 +230,12 @@ def build_direct(rec: CallRecorder | None, kept: list, metas: list, why: list | 
             for j, r in enumerate(rec.pack_refs) if not keep[j]]
     steps = _with_frees(steps, set(sources) | set(inputs) | {key for _, key, _ in lost})
     cached = [r.key in kept_keys for r in rec.pack_refs]
-    # (size, stride, offset, dtype, the first argument on its storage) per tensor argument: the
-    # steps read the arguments by the recorded views, and two that shared a storage must still.
-    arg_metas = tuple(None if r is None else (r.size, r.stride, r.offset, r.dtype, arg_of[r.key])
-                      for r in rec.inputs) if inputs else None
+    # The steps read the arguments by the recorded views, and every argument that was on a read
+    # storage must still be (another argument's storage, a mask's shape, may change freely).
+    checks = tuple((pos, (r.size, r.stride, r.offset, r.dtype), arg_of[r.key])
+                   for pos, r in enumerate(rec.inputs or ()) if r is not None and r.key in inputs)
     return Direct(keep, cached, sources, steps, list(rec.pack_refs), metas, lost, rec.scalars,
-                  tuple((pos, key) for key, pos in inputs.items()), arg_metas)
+                  tuple((pos, key) for key, pos in inputs.items()), len(rec.inputs or ()), checks)
 
 
 def _with_frees(steps: list, kept: set) -> list:
@@ -329,23 +330,21 @@ class _DirectCall:
 
     def take_args(self, args, kwargs) -> None:
         """The block's arguments (`ac_dce.watch_block_inputs`): holds those the steps read
-        (detached: the checkpoint holds them anyway), if every tensor argument matches the
-        recorded one (`Direct.arg_metas`); else the call keeps every pack."""
-        xs, metas = tensor_args(args, kwargs), self.direct.arg_metas
-        first: dict = {}
-        ok = len(xs) == len(metas)
-        for pos, (x, m) in enumerate(zip(xs, metas) if ok else ()):
-            if plain_data(x):
-                ok = m == (x.size(), x.stride(), x.storage_offset(), x.dtype,
-                           first.setdefault(x.untyped_storage()._cdata, pos))
-            else:
-                ok = m is None
+        (detached: the checkpoint holds them anyway), if they match the recorded ones
+        (`Direct.arg_checks`); else the call keeps every pack."""
+        xs, direct = tensor_args(args, kwargs), self.direct
+        ok = len(xs) == direct.n_args
+        for pos, view, first in direct.arg_checks if ok else ():
+            x = xs[pos]
+            ok = plain_data(x) and (x.size(), x.stride(), x.storage_offset(), x.dtype) == view and \
+                (first == pos or xs[first].untyped_storage()._cdata == x.untyped_storage()._cdata)
             if not ok:
-                break
-        if not ok:
+                self.ok = False
+                return
+        if ok:
+            self.args = {key: (xs[pos].detach(), xs[pos]._version) for pos, key in direct.inputs}
+        else:
             self.ok = False
-            return
-        self.args = {key: (xs[pos].detach(), xs[pos]._version) for pos, key in self.direct.inputs}
 
     def _stop_taking_args(self) -> None:
         if self.direct.inputs and self.take_args in INPUT_LISTENERS:
