@@ -98,6 +98,29 @@ def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
     return j
 
 
+# Callables given the (args, kwargs) of a wrapped block's forward (`watch_block_inputs`),
+# registered by the calls that need them while their forward runs: the recording call (which
+# tensor arguments the ops read) and a direct call whose steps read one (`ac_direct`). A block
+# input that only casts and adds read (a bf16 residual stream: RMSNorm's `x.float()`, the
+# residual add) is never packed; the checkpoint holds it, the steps must read it too.
+INPUT_LISTENERS: list = []
+
+
+def _note_inputs(module, args, kwargs) -> None:
+    for listener in INPUT_LISTENERS:
+        listener(args, kwargs)
+
+
+def watch_block_inputs(block: nn.Module):
+    """Hands each call's arguments of `block` to `INPUT_LISTENERS`; returns the hook's handle."""
+    return block.register_forward_pre_hook(_note_inputs, with_kwargs=True)
+
+
+def tensor_args(args, kwargs) -> list:
+    """The tensors among a call's arguments, in order (positions in `CallRecorder.inputs`)."""
+    return [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+
+
 PACK_PROBE = "titanlite_pack_probe"
 
 
@@ -242,6 +265,7 @@ class CallRecorder:
     pack_refs: list = field(default_factory=list)
     written: set = field(default_factory=set)
     out_views: list = field(default_factory=list)  # per event, (size, stride, offset) per tensor output
+    inputs: list | None = None  # per tensor argument of the block's call, its Ref (None: a subclass)
     scalars: tuple = ()  # the block's Python numbers when recorded (`ac_direct.scalar_state`)
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
@@ -277,6 +301,9 @@ class CallRecorder:
         nbytes = out.untyped_storage().nbytes() if plain and isinstance(out, torch.Tensor) else 0
         self.events.append(_Event(func, index, saved, verdict, inputs, alias_of, placeholder, inplace_skip,
                                   must_run=not (placeholder or inplace_skip or is_view), nbytes=nbytes))
+
+    def on_inputs(self, args, kwargs) -> None:
+        self.inputs = [Ref(x) if plain_data(x) else None for x in tensor_args(args, kwargs)]
 
     def on_pack(self, x: torch.Tensor) -> None:
         self.pack_refs.append(Ref(x) if plain_data(x) else None)

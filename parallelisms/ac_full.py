@@ -27,8 +27,9 @@ that machinery cost about 8.5 points of step time beyond the recomputed FLOPs, a
 torch's checkpoint runs (from the first call) under compile, and from call 3 where the direct
 recompute is not built: a step that draws random numbers, is not aten (collectives: EP, CP),
 reads a tensor subclass (TP's DTensors) or a tensor from outside the block that autograd does
-not pack (DeepSeek's MoE router reads a buffer), runs under autocast, or has an output whose
-shape or value depends on data (`nonzero`, `item`: the recorded arguments would not hold).
+not pack and that is no argument of the block's call (DeepSeek's MoE router reads a buffer), or
+has an output whose shape or value depends on data (`nonzero`, `item`: the recorded arguments
+would not hold). bf16 params and autocast take the direct path (`ac_direct`).
 Each block logs which path it took, and why (`ac` logger; `AC_TRACE FULL ...`).
 """
 
@@ -72,8 +73,11 @@ class FullCall(_DirectCall):
         return super().unpack(slot)
 
     def __exit__(self, exc_type, *exc):
-        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
+        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)
+                                 or (self.direct.inputs and self.args is None)):
             torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._stop_taking_args()
+            self.args = None
             slots, self.slots, self.seen = self.slots, None, None
             for slot in slots:  # what the checkpoint's hook would have made of each pack, in order
                 slot.x = self.outer_pack(slot.x)
@@ -158,6 +162,7 @@ class FullAC(OpSAC):
             return make_sac_modes(OpSACPolicy(frozenset(), rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = None  # type: ignore[attr-defined]
+        context_fn.inputs_hook = self.watch_inputs(block)  # type: ignore[attr-defined]
         return context_fn
 
 

@@ -104,14 +104,17 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 def is_param_cast(args) -> bool:
-    """A cast of a leaf that requires grad (a parameter; autocast's weight casts). Autocast
-    caches these per region, so a recompute inside the forward's autocast region (backward
-    under the step's autocast) dispatches none of them, and one that starts a new region
-    dispatches them all: counted, they would shift every later cast's invocation index,
-    and a cache entry kept by index (a recompute plan's, a budget's) would be handed to
-    the wrong cast."""
+    """A cast autocast may cache: of an fp32 leaf that requires grad (a parameter; autocast's
+    weight casts). Autocast caches these per region, so a recompute inside the forward's
+    autocast region (backward under the step's autocast) dispatches none of them, and one that
+    starts a new region dispatches them all: counted, they would shift every later cast's
+    invocation index, and a cache entry kept by index (a recompute plan's, a budget's) would
+    be handed to the wrong cast. Autocast caches fp32 sources only: a bf16 leaf's `.float()`
+    (RMSNorm on a pipeline stage's received input under bf16 params) dispatches in both passes
+    and is an op like any other (bypassed, the direct recompute held its fp32 output)."""
     x = args[0] if args else None
-    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and not x._is_view()
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.requires_grad and x.is_leaf \
+        and not x._is_view()
 
 
 def _op_kind(func, ignored) -> int:

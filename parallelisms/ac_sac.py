@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
+from parallelisms.ac_dce import INPLACE_SKIP, INPUT_LISTENERS, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_sac_modes
 from parallelisms.ac_direct import build_direct, scalar_state
 from parallelisms.ac_replay import build_replay
@@ -247,6 +247,8 @@ class OpSACPolicy:
         """Called when the call's forward mode is entered: its pack listeners start listening
         (until `finish`, when the forward ends)."""
         PACK_LISTENERS.extend(self.listening)
+        if self.recorder is not None:
+            INPUT_LISTENERS.append(self.recorder.on_inputs)
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -328,6 +330,8 @@ class OpSACPolicy:
         rec, self.recorder = self.recorder, None
         if rec is not None and rec.on_pack in PACK_LISTENERS:
             PACK_LISTENERS.remove(rec.on_pack)
+        if rec is not None and rec.on_inputs in INPUT_LISTENERS:
+            INPUT_LISTENERS.remove(rec.on_inputs)
         return rec
 
     def _stop_noting_packs(self) -> list | None:

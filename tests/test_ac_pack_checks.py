@@ -45,6 +45,7 @@ class _Block(nn.Module):
         self.read_item = False
 
     def forward(self, x, y, w):
+        x, y, w = x.float(), y.float(), w.float()  # (bf16 inputs: then only these casts read them)
         h = self.a(x) * torch.sigmoid(self.b(y))
         if self.read_item:
             h = h / (1.0 + y.detach().abs().amax().item())
@@ -64,26 +65,31 @@ class _Model(nn.Module):
         return x
 
 
-def _inputs(case: str, step: int):
+def _inputs(case: str, step: int, dtype=torch.float32):
     """(x, y, w) of one step; from step CHANGE_AT, the case's change (`scalar` and `item`
-    change the block, not the inputs). Leaves that require grad, or views of them."""
+    change the block, not the inputs). Leaves that require grad, or views of them. In bf16
+    nothing packs them (the block's casts do not): the direct steps read the arguments."""
     g = torch.Generator().manual_seed(step)
-    z = torch.randn(4, 4, 2 * D, generator=g, requires_grad=True)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+
+    z = randn(4, 4, 2 * D)
     x, y = z[..., :D], z[..., D:]  # one storage, offsets 0 and D
-    w = torch.randn(4, 4, D, generator=g)
+    w = randn(4, 4, D).detach()
     if step >= CHANGE_AT:
         if case == "stride":  # a leaf of the same shape with its first two strides swapped
             w = w.transpose(0, 1)
         elif case == "offset":  # the same views, 2 * D * 4 elements further into their storage
-            big = torch.randn(5, 4, 2 * D, generator=g, requires_grad=True)
+            big = randn(5, 4, 2 * D)
             x, y = big[1:, :, :D], big[1:, :, D:]
         elif case == "alias":  # the same views, of two storages
-            z1, z2 = (torch.randn(4, 4, 2 * D, generator=g, requires_grad=True) for _ in range(2))
+            z1, z2 = randn(4, 4, 2 * D), randn(4, 4, 2 * D)
             x, y = z1[..., :D], z2[..., D:]
     return x, y, w.requires_grad_(True)
 
 
-def _run(mode: str, case: str) -> tuple[list, object, list]:
+def _run(mode: str, case: str, dtype=torch.float32) -> tuple[list, object, list]:
     """Per step: (loss, every parameter and input gradient); the policy; per step, whether the
     blocks had a direct recompute or replay going into it."""
     torch.manual_seed(0)
@@ -97,13 +103,13 @@ def _run(mode: str, case: str) -> tuple[list, object, list]:
         if case == "scalar":
             for block in model.layers.values():
                 getattr(block, "_checkpoint_wrapped_module", block).scale = 0.5 if step < CHANGE_AT else 0.9
-        inputs = _inputs(case, step)
+        inputs = _inputs(case, step, dtype)
         for t in inputs:
             t.retain_grad()
         plans = getattr(policy, "plans", None) or {}
         fast.append(any(p.replay is not None or p.direct is not None for p in plans.values()))
         model.zero_grad(set_to_none=True)
-        loss = (model(*inputs) ** 2).mean()
+        loss = (model(*inputs).float() ** 2).mean()
         loss.backward()
         grads = {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
         grads.update({f"input{i}": t.grad.clone() for i, t in enumerate(inputs)})
@@ -117,14 +123,18 @@ def _diverging_steps(ref: list, got: list) -> list[int]:
                     and all(torch.equal(g_ref[k], g_got[k]) for k in g_ref))]
 
 
-@pytest.mark.parametrize("case", ["scalar", "stride", "offset", "alias", "item"])
+@pytest.mark.parametrize("case", ["scalar", "stride", "offset", "alias", "item", "stride_bf16", "offset_bf16",
+                                  "alias_bf16"])
 def test_a_later_call_that_differs_from_the_recorded_one_is_exact(case):
     """Before the checks, `scalar`, `offset` and `alias` gave wrong gradients from the changed
     call on in every mode, `stride` in all but `budget` (which keeps the rebuilt pack): the
-    direct steps replayed the recorded number and read the recorded views."""
-    ref, _, _ = _run("none", case)
+    direct steps replayed the recorded number and read the recorded views. With bf16 inputs
+    (`_bf16`) no pack holds them and the steps read the block's arguments: the same changes
+    must be caught on the arguments (`ac_direct._DirectCall.take_args`)."""
+    case, dtype = case.removesuffix("_bf16"), torch.bfloat16 if case.endswith("_bf16") else torch.float32
+    ref, _, _ = _run("none", case, dtype)
     for mode in MODES:
-        got, policy, fast = _run(mode, case)
+        got, policy, fast = _run(mode, case, dtype)
         assert _diverging_steps(ref, got) == [], f"{mode}: {case} changed at step {CHANGE_AT}"
         if case != "item":  # the fast path ran before the change (so the check is what kept it exact)
             assert fast[CHANGE_AT] and policy.plans, (mode, fast)  # (selective: block 0 only)

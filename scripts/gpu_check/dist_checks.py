@@ -6,8 +6,8 @@ group before it exits (`common.one_rank_group`).
   2.13's `foreach_reduce`, so it is called here directly); fused AdamW over DTensors
   (Shard(0), Replicate) against plain tensors, bitwise, without host syncs; then the
   trainer with FSDP2 on a one-rank mesh, AC none and op, their numbers held against each
-  other (`numbers.judge`): with bf16 params and fp32 reduce (no autocast: op SAC replays its
-  forward), and with fp32 params (op SAC's direct recompute too, on CUDA attention outputs);
+  other (`numbers.judge`): with bf16 params and fp32 reduce (no autocast), and with fp32
+  params (TF32), op SAC's replayed forward and direct recompute in both (on CUDA attention outputs);
   and fused AdamW's `found_inf`: 1 leaves params and moments bitwise unchanged, 0 takes the
   step a plain fused AdamW takes, bitwise.
 - ep_mesh: DeepSeek 16B shape, one MoE layer, compile + op AC, with the experts on a
@@ -192,8 +192,8 @@ def _compute_dtype(trainer) -> dict:
 
 
 # (params, AC mode): bf16 params as multi-GPU runs train (FSDP's mixed precision, no autocast);
-# fp32 params, where op SAC's direct recompute applies (it is refused under bf16 FSDP and under
-# autocast, see the rows), with TF32 matmuls and at seq 4096 to stay cheap.
+# fp32 params with TF32 matmuls, at seq 4096 to stay cheap. op SAC's direct recompute runs in
+# both (it was refused under bf16 FSDP until its steps could read the block's arguments).
 _FSDP_ROWS = (("bf16", "none"), ("bf16", "op"), ("fp32", "none"), ("fp32", "op"))
 
 
