@@ -5,12 +5,13 @@ layers. Every pair of values of two factors is in at least one row that must equ
 that property itself), and every row either equals one rank or is refused with one line:
 
 - equal: 2 gloo ranks (every trained row in one torchrun launch of tests/parallel_worker.py)
-  against one rank in this process (no AC, eager, same model, optimizer and float8), fp32, from
+  against one rank in this process (no AC, eager, same model, optimizer and float8; compiled
+  for a compiled float8 row: fm.compiled_reference says why), fp32, from
   the same layout-independent init, on the same global batches in the same microbatches: 2
   microbatches per step (gradient accumulation; PP adds its own), 3 steps, clipping active.
   Losses of every step, the last step's gradients (max over tensors of max|d| / max|ref|) and
   the params after it (by norm) within 1e-5. MoE rows train with uneven expert loads (checked on
-  their references: the busiest expert gets over 1.2x the mean in every step).
+  their references: the busiest expert gets over 1.1x the mean in every step).
 - float8 rows: losses within 1e-5; gradients and params within a tenth of float8's own effect
   (||row - one rank float8|| <= 0.1 ||one rank float8 - one rank fp32||, over all tensors).
   1e-5 is out of reach: tensorwise scales are not powers of 2, so a last-bit change of the
@@ -37,6 +38,7 @@ import torch
 
 import tests.feature_matrix as fm
 from tests.helpers import REPO, read_metrics, run_in_process
+from tests.parallel_worker import clean_name
 from tests.test_parallel_layouts import compare_to_reference, loss_rel, max_rel, norm_rel, print_report, \
     run_layout_cases
 
@@ -58,10 +60,11 @@ def test_the_rows_cover_every_pair():
     a trained row except the excluded ones, which are in none; each refused row holds exactly
     one refused pair; the design is deterministic."""
     isolated = {fm.pair(*p) for p in [*fm.REFUSED, *fm.KNOWN_FAILURES]}
+    fixed = {fm.pair(*p) for p in fm.FIXED}
     covered = set().union(*(fm.pairs_of(row) for _, row, kind, _ in ROWS if kind == "equal"))
-    assert covered == every_pair(fm.FACTORS) - isolated
-    assert sorted(sorted(fm.pairs_of(row) & isolated) for _, row, kind, _ in ROWS if kind != "equal") == \
-        sorted([p] for p in isolated)
+    assert covered == every_pair(fm.FACTORS) - isolated and fixed <= covered
+    assert sorted(sorted(fm.pairs_of(row) & (isolated | fixed)) for _, row, kind, _ in ROWS if kind != "equal") \
+        == sorted([p] for p in isolated | fixed)
     assert fm.matrix() == ROWS
     assert 20 <= sum(kind == "equal" for _, _, kind, _ in ROWS) <= 24  # the 5 x 4 pairs of the largest factors
     for seed in range(3):
@@ -74,15 +77,18 @@ def test_the_rows_cover_every_pair():
 
 def test_the_docs_list_every_row():
     text = (REPO / "docs" / "feature_matrix.md").read_text()
-    assert fm.markdown_table() in text, "docs/feature_matrix.md is stale: paste fm.markdown_table()"
+    for make in (fm.markdown_table, fm.pairs_table):
+        assert make() in text, f"docs/feature_matrix.md is stale: paste tests.feature_matrix.{make.__name__}()"
     assert "docs/feature_matrix.md" in (REPO / "README.md").read_text()
 
 
 def _reference(args: list[str], folder: Path) -> dict:
     losses, trainer = run_in_process([*args, "--job.dump_folder", str(folder)])
+    torch._dynamo.reset()  # a fresh compile cache for the next reference (as tests/parallel_worker.py)
     part = trainer.model_parts[0]
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in part.named_parameters()},
-            "grads": {n: p.grad.detach().clone() for n, p in part.named_parameters()}, "metrics": read_metrics(folder)}
+    named = [(clean_name(n), p) for n, p in part.named_parameters()]  # without compile's wrapper names
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named},
+            "grads": {n: p.grad.detach().clone() for n, p in named}, "metrics": read_metrics(folder)}
 
 
 def float8_ratio(got: dict, ref8: dict, ref32: dict) -> float:
@@ -129,7 +135,7 @@ def test_row_equals_one_rank(name, matrix_runs):
     ref = refs[fm.reference_key(row)]
     if row["model"] != "llama3":  # uneven expert loads in every step
         loads = [m["moe/max_over_mean"] for m in ref["metrics"]]
-        assert len(loads) == len(ref["losses"]) and min(loads) > 1.2, loads
+        assert len(loads) == len(ref["losses"]) and min(loads) > 1.1, loads
     got = results[name]
     if row["float8"] == "off":
         compare_to_reference(name, 2, got, ref, REPORT)
@@ -150,6 +156,7 @@ def test_row_is_refused_with_one_line(name, tmp_path, monkeypatch, capsys):
 
     _, row, line = next(r for r in REFUSED_ROWS if r[0] == name)
     monkeypatch.setenv("TITAN_CHECK_WORLD_SIZE", "2")
-    assert preflight(["--check-config", *fm.row_args(row), "--job.dump_folder", str(tmp_path / "run")]) == 2
+    assert preflight(["--check-config", *fm.row_args(row, fixes=False), "--job.dump_folder", str(tmp_path / "run")]) \
+        == 2
     out, err = capsys.readouterr()
     assert err.splitlines() == [line] and out == "", err
