@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ft_helpers import ENV, STEP_LINE, Proc, losses, start_group, start_lighthouse
 from tests.helpers import REPO, free_port, read_metrics
 
 # The small debug model; log every step. The LR is flat after warmup (min_lr_factor 1), so the first
@@ -32,67 +33,7 @@ from tests.helpers import REPO, free_port, read_metrics
 COMMON = ["--config", "llama_debug.toml", "--model.flavor", "debug_small", "--training.seq_len", "64",
           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.lr", "1e-3", "--training.steps", "10"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 QUORUM_TIMEOUT = 20
-STEP_LINE = re.compile(r"step +(\d+) \| loss +([\d.]+)")
-
-
-class Proc:
-    """A process group started in its own session; its output lines are kept with arrival times."""
-
-    def __init__(self, cmd: list[str], env: dict, on_line=None):
-        self.popen = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.on_line = on_line
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.popen.stdout:
-            self.lines.append((time.time(), line))
-            if self.on_line is not None:
-                self.on_line(line)
-
-    def kill(self):
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            rc = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"timed out after {timeout} s:\n{self.text()[-4000:]}") from None
-        self.reader.join(10)
-        return rc
-
-    def text(self) -> str:
-        return "".join(ln for _, ln in self.lines)
-
-
-def start_lighthouse(folder: Path, min_replicas: int) -> tuple[Proc, str]:
-    address_file = folder / "lighthouse"
-    proc = Proc([sys.executable, "-m", "trainer.fault_tolerance.lighthouse", "--port", "0", "--min-replicas",
-                 str(min_replicas), "--address-file", str(address_file)], ENV)
-    deadline = time.time() + 60
-    while not address_file.exists():
-        assert time.time() < deadline and proc.popen.poll() is None, proc.text()
-        time.sleep(0.1)
-    return proc, address_file.read_text().strip()
-
-
-def start_group(replica_id: int, nproc: int, args: list[str], env: dict | None = None, on_line=None) -> Proc:
-    return Proc([sys.executable, "-m", "trainer.launch", "--standalone", "--nnodes", "1", "--nproc-per-node",
-                 str(nproc), "-m", "trainer.train", *COMMON, *args, "--fault_tolerance.enable",
-                 "--fault_tolerance.replica_id", str(replica_id)], {**ENV, **(env or {})}, on_line)
-
-
-def losses(folder: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(folder)}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +55,7 @@ def test_two_groups_of_fsdp2_equal_hsdp(tmp_path, hsdp_losses):
     args = ["--training.local_batch_size", "2", "--fault_tolerance.group_count", "2", "--fault_tolerance.min_replicas",
             "2", "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(tmp_path / "ft")]
     try:
-        groups = [start_group(g, 2, args) for g in (0, 1)]
+        groups = [start_group(g, 2, [*COMMON, *args]) for g in (0, 1)]
         for g in groups:
             assert g.wait(400) == 0, g.text()[-4000:]
     finally:
@@ -143,12 +84,12 @@ def test_a_killed_group_costs_the_survivor_one_quorum_and_heals_from_it(tmp_path
     try:
         # The survivor sleeps 1.5 s per step after the kill, so that the restarted group (a fresh
         # Python + torch start, ~10-20 s on a loaded machine) comes back before step 30.
-        survivor = start_group(0, 1, args, {**env, "TITAN_TEST_SLOW_RANK": "0:1.5@9"})
-        victim = start_group(1, 1, args, env, on_line=lambda ln: STEP_LINE.search(ln) and
+        survivor = start_group(0, 1, [*COMMON, *args], {**env, "TITAN_TEST_SLOW_RANK": "0:1.5@9"})
+        victim = start_group(1, 1, [*COMMON, *args], env, on_line=lambda ln: STEP_LINE.search(ln) and
                              int(STEP_LINE.search(ln).group(1)) == 8 and at_step_8.set())
         assert at_step_8.wait(300), victim.text()[-4000:]
         victim.kill()  # kill -9, the launcher and its worker
-        restarted = start_group(1, 1, args, env)
+        restarted = start_group(1, 1, [*COMMON, *args], env)
         assert survivor.wait(400) == 0, survivor.text()[-4000:]
         assert restarted.wait(200) == 0, restarted.text()[-4000:]
     finally:

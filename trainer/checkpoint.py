@@ -97,8 +97,12 @@ class Checkpointer:
     """Saves and restores the whole training state with torch.distributed.checkpoint."""
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, *, model_parts: list[torch.nn.Module],
-                 optimizers: list[torch.optim.Optimizer], lr_schedulers: list, dataloader: Any, dp_rank: int):
+                 optimizers: list[torch.optim.Optimizer], lr_schedulers: list, dataloader: Any, dp_rank: int,
+                 writer: str | None = None):
+        """`writer`: this job's name among several that share the folder (a torchft replica group,
+        "replica-<id>"): its temporary folders carry it, and its start repairs only those."""
         self.cfg = cfg
+        self.writer = writer
         self.folder = checkpoint_folder(cfg, dump_folder)
         self.model_parts, self.optimizers, self.lr_schedulers = model_parts, optimizers, lr_schedulers
         self.dataloader, self.dp_rank = dataloader, dp_rank
@@ -196,7 +200,7 @@ class Checkpointer:
 
     def _begin(self, step: int) -> tuple[Path, Path]:
         final = self.folder / f"step-{step}"
-        tmp = final.with_name(final.name + files.TMP)
+        tmp = files.temp_folder(final, self.writer)
         if global_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -261,7 +265,7 @@ class Checkpointer:
             merged = {name: entry for g in gathered for name, entry in g.items()}
             files.write_manifest(tmp, merged, step=step, kind=kind)
             files.crash_point("before_rename", step)
-            files.replace(tmp, final, step)
+            files.replace(tmp, final, step, self.writer)
             self._purge()
         _barrier()
 
@@ -355,7 +359,7 @@ class Checkpointer:
         or the all-gathered checksums) is set aside as step-N.corrupt and the one before loaded."""
         if self.cfg.enable:
             if global_rank() == 0:
-                for note in files.recover(self.folder):
+                for note in files.recover(self.folder, self.writer):
                     logger.info(f"checkpoint: {note}")
             _barrier()
         while True:
@@ -393,10 +397,12 @@ class Checkpointer:
         self._check_model_matches(path, metadata, state["model"])
         state = {k: v for k, v in state.items() if k in top}
         dl_key = f"dataloader_dp{self.dp_rank}"
-        if self.dataloader is not None and dl_key not in top and "dataloader_dp0" in top:
-            # Resuming onto more data-parallel ranks than were saved: this rank has no state of its
-            # own. dp rank 0's position is a global batch index, which the loader remaps to this rank.
-            dl_key = "dataloader_dp0"
+        saved_slices = sorted(int(k.removeprefix("dataloader_dp")) for k in top if k.startswith("dataloader_dp"))
+        if self.dataloader is not None and dl_key not in top and saved_slices:
+            # No state of this rank's own: more data-parallel ranks than were saved, or a replica group
+            # that was away when another group saved. Every slice's position is the same global batch
+            # index, which the loader maps to this rank's slice: take the lowest one saved.
+            dl_key = f"dataloader_dp{saved_slices[0]}"
             state[dl_key] = self.dataloader.state_dict()
         self._dcp_load(state, path)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
