@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from configuration.fields import ConfigError
 from models.common.moe_balance import moe_load_counters
+from parallelisms.sequence_shards import add_batch_shard_mesh
 from trainer.fault_tolerance import heal_state
 from trainer.fault_tolerance.config import FaultToleranceConfig, lighthouse_url
 from trainer.fault_tolerance.hang import LEAD_S
@@ -44,16 +45,52 @@ class StopRequested(Exception):
     boundary, as after a step, instead of waiting on."""
 
 
+class _GroupsAsBatchMesh:
+    """The live replica groups as one more data-parallel dimension of a batch-scope balance loss:
+    its size is the groups in this step's quorum (a step without a group routes fewer sequences
+    together), and its sum is the cross-group all-reduce (in the forward; garbage on a failed
+    peer, which should_commit then refuses)."""
+
+    def __init__(self, groups: "ReplicaGroups"):
+        self.groups = groups
+
+    def size(self) -> int:
+        return max(1, self.groups.participants)
+
+    def all_reduce_sum(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.groups.all_reduce_sum(counts.clone())
+
+
 BUCKET_BYTES = 64 << 20  # gradients cross groups in buckets of this size (bounded extra memory)
+
+
+class _OneLineErrors(logging.Filter):
+    """torchft logs each failed cross-group collective with logger.exception: a traceback on every
+    rank of every healthy group whenever a peer group dies, which is what fault tolerance is for.
+    Keep the first line of the error; drop the flight-recorder warning that CPU runs always get."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "flight recorder" in record.getMessage():
+            return False
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            record.msg, record.args = f"fault tolerance: {type(error).__name__}: {first}", None
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 def quiet_torchft() -> None:
     """torchft logs every quorum and commit at INFO (Rust and Python): per step, on every rank.
-    Keep warnings; RUST_LOG / the loggers' levels set by the user win."""
+    Keep warnings, with errors in one line; RUST_LOG / the loggers' levels set by the user win."""
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits"):
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("torchft.manager", "torchft.process_group"):
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineErrors) for f in logger_.filters):
+            logger_.addFilter(_OneLineErrors())
 
 
 class ReplicaGroups:
@@ -84,6 +121,10 @@ class ReplicaGroups:
             lighthouse_addr=address, replica_id=f"replica_{cfg.replica_id}", hostname=socket.gethostname(),
             init_sync=False)  # every group builds the same weights from training.seed
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
+        # A batch-scope MoE balance loss (Qwen3's) counts the picks of the whole global batch: the
+        # groups' batches too, as HSDP's data ranks do (parallelisms/sequence_shards.py).
+        for part in trainer.model_parts:
+            add_batch_shard_mesh(part, _GroupsAsBatchMesh(self))
         self._healed, self._healed_bytes = False, 0
         self._first_quorum = True
         self._replica_rank: int | None = None  # this group's rank in the newest quorum it got
@@ -185,7 +226,9 @@ class ReplicaGroups:
         prefix = env_value("TITAN_TEST_FT_STATE")
         if prefix:
             path = f"{prefix}-replica{self.cfg.replica_id}-rank{self.group_rank}.pt"
-            torch.save(heal_state.capture(self.trainer), path)
+            state = heal_state.capture(self.trainer)
+            state["model_names"] = [[n for n, _ in heal_state.tensors_of(p)] for p in self.trainer.model_parts]
+            torch.save(state, path)
 
     def _capture(self):
         return heal_state.capture(self.trainer)
