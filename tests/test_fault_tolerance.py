@@ -1,7 +1,9 @@
 """torchft replica groups (trainer/fault_tolerance/): real torchft, a real lighthouse, gloo, the tiny
 model, each launch under a hard timeout.
 
-- 2 groups x 2 ranks (FSDP 2 inside each) equal plain HSDP (replicate 2 x shard 2) over 10 steps;
+- (2 groups x 2 ranks, FSDP 2 inside each, against plain HSDP: tests/test_fault_tolerance_moe.py, with
+  DeepSeek V3's MoE; two groups sharing checkpoints, restarts and preemption:
+  tests/test_fault_tolerance_recovery.py)
 - one of 2 groups is SIGKILLed at step 8 of 30 and restarted: the survivor logs every step, no step
   takes longer than the quorum timeout plus a normal step, the restarted group heals from the
   survivor and both end bitwise equal; up to the kill the curve is the no-failure curve;
@@ -45,28 +47,6 @@ def hsdp_losses(tmp_path_factory) -> dict[int, float]:
                  "2", "--job.dump_folder", str(out)], {**ENV, "NGPU": "4"})
     assert proc.wait(400) == 0, proc.text()[-4000:]
     return losses(out)
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-@pytest.mark.timeout(600)
-def test_two_groups_of_fsdp2_equal_hsdp(tmp_path, hsdp_losses):
-    lighthouse, address = start_lighthouse(tmp_path, min_replicas=2)
-    args = ["--training.local_batch_size", "2", "--fault_tolerance.group_count", "2", "--fault_tolerance.min_replicas",
-            "2", "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(tmp_path / "ft")]
-    try:
-        groups = [start_group(g, 2, [*COMMON, *args]) for g in (0, 1)]
-        for g in groups:
-            assert g.wait(400) == 0, g.text()[-4000:]
-    finally:
-        lighthouse.kill()
-    assert "dp_shard 2" in groups[0].text()  # FSDP 2 inside each group
-    for g in (0, 1):
-        records = read_metrics(tmp_path / "ft" / f"replica-{g}")
-        assert [r["step"] for r in records] == list(range(1, 11))
-        assert all(r["ft/groups"] == 2.0 for r in records)
-        for r in records:
-            assert r["loss"] == pytest.approx(hsdp_losses[r["step"]], rel=0, abs=1e-5), (g, r["step"])
 
 
 @pytest.mark.slow
@@ -193,6 +173,9 @@ def test_run_train_starts_a_lighthouse_and_all_groups_resume_from_disk(tmp_path)
     (["--fault_tolerance.enable", "--parallelism.data_parallel_replicate_degree", "2"],
      "config error: parallelism.data_parallel_replicate_degree: 2 with fault_tolerance.enable"),
     (["--fault_tolerance.lighthouse", "nohost"], "config error: fault_tolerance.lighthouse: expected host:port"),
+    # a rank waiting heal_timeout for another group must not look hung to its own group
+    (["--fault_tolerance.enable", "--comm.train_timeout_seconds", "60"],
+     "config error: fault_tolerance.heal_timeout_seconds: 60 is not below the hang watch's bound of 55 s"),
 ])
 def test_bad_fault_tolerance_config_is_one_line(args, expected):
     from trainer.config import load_config
@@ -252,3 +235,22 @@ def test_the_lighthouse_exits_with_its_launcher_even_while_the_launcher_awaits_r
             proc.communicate()
             raise AssertionError("the lighthouse outlived its exited launcher and held the pipes open")
     assert proc.returncode == 0 and "lighthouse: serving at" in out, out
+
+
+def test_a_starting_group_repairs_only_its_own_checkpoint_leftovers(tmp_path):
+    """Replica groups share the checkpoint folder: a group's start finishes or removes only the temporary
+    folders it wrote itself (another group may be writing its save right now); without fault
+    tolerance the one writer repairs everything."""
+    from trainer.checkpoint_files import MANIFEST, recover
+
+    for name in ("step-4.replica-1.tmp", "step-8.replica-0.tmp", "step-2.replica-0.old", "step-6.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "step-8.replica-0.tmp" / ".metadata").write_bytes(b"m")
+    (tmp_path / "step-8.replica-0.tmp" / MANIFEST).write_text(json.dumps(
+        {"format": 1, "step": 8, "kind": "full", "files": {"__0_0.distcp": {"size": 1, "crc32": [0]}}}))
+    notes = recover(tmp_path, "replica-0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4.replica-1.tmp", "step-6.tmp", "step-8"]
+    assert len(notes) == 2, notes
+    recover(tmp_path)  # one writer (no fault tolerance): every leftover is its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-8"]

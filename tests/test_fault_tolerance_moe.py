@@ -88,7 +88,7 @@ def test_a_hung_rank_ends_its_group_the_other_waits_and_it_heals_bitwise(tmp_pat
             "--optimizer.muon_params", "layers.1.*",  # Muon on one block (attention and experts): fast on CPU
             "--fault_tolerance.group_count", "2", "--fault_tolerance.min_replicas", "2",
             "--fault_tolerance.quorum_timeout_seconds", "4", "--fault_tolerance.heal_timeout_seconds", "5",
-            "--comm.train_timeout_seconds", "12", "--job.dump_folder", str(tmp_path / "ft")]
+            "--comm.train_timeout_seconds", "10", "--job.dump_folder", str(tmp_path / "ft")]
     state = {"TITAN_TEST_FT_STATE": str(tmp_path / "state")}
     lighthouse, address = start_lighthouse(tmp_path, min_replicas=2)
     args += ["--fault_tolerance.lighthouse", address]
