@@ -103,7 +103,16 @@ class HangWatch:
 
     def at(self, name: str) -> None:
         """The main thread enters `name` (a part of the loop outside any `phase` block)."""
+        self._halt_if_reported()
         self.phase_name, self.phase_t0 = name, time.time()
+
+    def _halt_if_reported(self) -> None:
+        """The watch thread is reporting a hang and will end the process: the main thread goes no
+        further. (Taking a stopped peer's stack resumes it, which can let the collective this rank
+        waited in complete; it must not then train on while the report is written.)"""
+        if self._reported and threading.current_thread() is threading.main_thread():
+            while True:
+                time.sleep(1)
 
     class _Phase:
         def __init__(self, watch: "HangWatch", name: str):
@@ -111,6 +120,7 @@ class HangWatch:
 
         def __enter__(self):
             w = self.watch
+            w._halt_if_reported()
             self.prev = (w.phase_name, w.phase_t0)
             w.phase_name, w.phase_t0 = self.name, time.time()
 
