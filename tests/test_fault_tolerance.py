@@ -254,3 +254,30 @@ def test_a_starting_group_repairs_only_its_own_checkpoint_leftovers(tmp_path):
     assert len(notes) == 2, notes
     recover(tmp_path)  # one writer (no fault tolerance): every leftover is its own
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-8"]
+
+
+def test_a_checkpoint_purged_while_a_group_reads_it_is_read_again_from_the_newest(tmp_path, monkeypatch, caplog):
+    """A restarting group reads the newest checkpoint while the live group commits a newer one and
+    purges the old one (keep_latest_k): the group reads the newest instead of stopping on a
+    'damaged' checkpoint (exit 2, which the SLURM script does not restart)."""
+    import shutil
+
+    import trainer.checkpoint_files as files
+    from tests.helpers import TINY, run_in_process
+
+    _, trainer = run_in_process([*TINY, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval",
+                                 "4", "--job.dump_folder", str(tmp_path)])
+    folder = tmp_path / "checkpoint"
+    real = files.verify_files
+
+    def live_group_saves_and_purges(path, manifest, names):
+        if path.name == "step-4":  # meanwhile: the live group commits step-6, then purges step-4
+            shutil.copytree(path, folder / "step-6")
+            shutil.rmtree(path)
+        return real(path, manifest, names)
+
+    monkeypatch.setattr(files, "verify_files", live_group_saves_and_purges)
+    trainer.checkpointer.writer = "replica-1"
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert trainer.checkpointer.load() == 4  # step-6 holds step 4's state here
+    assert "step-4 was replaced by a newer save of another replica group" in caplog.text

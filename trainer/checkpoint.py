@@ -109,6 +109,7 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._flagged: _PendingSave | None = None  # the pending save this step's busy flag is about
         self._saved_step: int | None = None  # the newest full save started (pending or committed)
+        self._reading: Path | None = None  # the checkpoint being loaded
         self._executor: ThreadPoolExecutor | None = None
         self._stager = None  # trainer/checkpoint_staging.py: cached (pinned on CUDA) host buffers
         self.last_save_seconds = 0.0
@@ -366,6 +367,8 @@ class Checkpointer:
             try:
                 return self._load_newest()
             except CheckpointError as e:
+                if self._superseded():
+                    continue
                 if not files.falls_back(self.folder, e, self.cfg.on_corrupt, self.cfg.load_step):
                     raise
                 _barrier()  # every rank has looked at the folder before it moves
@@ -376,8 +379,27 @@ class Checkpointer:
                                    "complete checkpoint before it (checkpoint.on_corrupt = fallback)")
                 _barrier()
 
+    def _superseded(self) -> bool:
+        """Collective: the checkpoint this group failed to read was replaced by a newer one meanwhile.
+        Several writers (replica groups) share the folder: a live group may commit a save and purge
+        the oldest (keep_latest_k) while a restarting group reads it; then the newest is read again."""
+        failed = self._reading
+        if self.writer is None or failed is None or self.cfg.load_step >= 0:
+            return False
+        try:
+            newer = self.resume_path() not in (None, failed)
+        except CheckpointError:
+            newer = False
+        if not any(_all_gather(newer)):
+            return False
+        if global_rank() == 0:
+            logger.warning(f"checkpoint: {failed.name} was replaced by a newer save of another replica group while "
+                           "this group read it; reading the newest")
+        return True
+
     def _load_newest(self) -> int:
         path = self.resume_path() if self.cfg.enable else None
+        self._reading = path
         if path is None:
             if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
                 self.load_model_only(Path(self.cfg.initial_load_path))
