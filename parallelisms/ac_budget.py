@@ -116,11 +116,8 @@ class BlockCalibration:
     _external: _Storages = field(default_factory=_Storages)  # from outside (inputs, parameters)
     _packed: _Storages = field(default_factory=_Storages)
 
-    def __enter__(self):
-        PACK_LISTENERS.append(self.on_pack)
-        return self
-
-    def __exit__(self, *exc):
+    def close(self) -> None:
+        """When the measured forward ends (its call registered `on_pack` while it ran)."""
         if self.on_pack in PACK_LISTENERS:
             PACK_LISTENERS.remove(self.on_pack)
         self.recorder.alive.clear()
@@ -369,7 +366,8 @@ class BudgetSAC(OpSAC):
         call.choice = self.choices.get(call.kind)
         call.calibration = None
         if call.choice is None and not tracing_for_compile():
-            call.calibration = BlockCalibration().__enter__()
+            call.calibration = BlockCalibration()
+            call.listening.append(call.calibration.on_pack)  # (while the forward runs: OpSACPolicy.open)
 
     def decide(self, call, func, is_recompute: bool, args=(), out=None):
         from torch.utils.checkpoint import CheckpointPolicy as P
@@ -399,7 +397,7 @@ class BudgetSAC(OpSAC):
         calibration, call.calibration = call.calibration, None
         if calibration is None:
             return
-        calibration.__exit__(None, None, None)
+        calibration.close()
         choice = choose(calibration, self.cfg.budget_mib, self.cfg.budget_fraction)
         self.choices[call.kind], self.calibrations[call.kind] = choice, calibration
         text = choice.describe(calibration)

@@ -60,21 +60,65 @@ def _same_nodes() -> dict:
 _SAME_NODE = _same_nodes()
 
 
+def pack_meta(x: torch.Tensor, seen: dict, j: int) -> tuple:
+    """What the `j`-th pack of a call must share with the recorded call's `j`-th pack for a replay
+    or a direct recompute built from that call to hold: its shape, dtype and the op that made it
+    (its `grad_fn`'s type), and, for a plain tensor, its strides, its offset in its storage and
+    which earlier pack of the call shares that storage. The kept outputs are cut from packs, and
+    the direct steps read them, by the recorded (size, stride, offset) on the recorded storages:
+    a pack with another offset or transposed strides, or two packs that shared a storage and no
+    longer do (or the other way round), would hand backward other memory than the forward's.
+    `seen`: the call's storages so far (held, so that no address is reused within the call)."""
+    node = type(x.grad_fn)
+    node = _SAME_NODE.get(node, node)
+    if type(x) is not torch.Tensor and type(x) is not nn.Parameter:
+        return x.shape, x.dtype, node, None, None, None  # (a subclass: its own layout is not ours to check)
+    storage = x.untyped_storage()
+    first = seen.get(storage._cdata)
+    if first is None:
+        first = seen[storage._cdata] = (j, storage)
+    return x.shape, x.dtype, node, x.stride(), x.storage_offset(), first[0]
+
+
+def pack_metas(packs: list) -> list:
+    """`pack_meta` of each pack of one call, in order."""
+    seen: dict = {}
+    return [pack_meta(x, seen, j) for j, x in enumerate(packs)]
+
+
 def pack_matches(listener, metas: list, x: torch.Tensor) -> int | None:
-    """The index of `x` among a recorded call's packs when it is the pack recorded there (shape,
-    dtype, the op that made it); else None, and `listener.ok` turns False for the rest of the call."""
+    """The index of `x` among a recorded call's packs when it is the pack recorded there (`pack_meta`:
+    shape, dtype, the op that made it, strides, offset, aliasing; `listener.seen` holds the call's
+    storages); else None, and `listener.ok` turns False for the rest of the call."""
     j = listener.count
     listener.count = j + 1
-    if not listener.ok or j >= len(metas):
-        listener.ok = False
-        return None
-    shape, dtype, grad_fn = metas[j]
-    node = type(x.grad_fn)
-    if x.shape != shape or x.dtype != dtype or \
-            (node is not grad_fn and _SAME_NODE.get(node, node) is not _SAME_NODE.get(grad_fn, grad_fn)):
+    if not listener.ok or j >= len(metas) or pack_meta(x, listener.seen, j) != metas[j]:
         listener.ok = False
         return None
     return j
+
+
+# Callables given the (args, kwargs) of a wrapped block's forward (`watch_block_inputs`),
+# registered by the calls that need them while their forward runs: the recording call (which
+# tensor arguments the ops read) and a direct call whose steps read one (`ac_direct`). A block
+# input that only casts and adds read (a bf16 residual stream: RMSNorm's `x.float()`, the
+# residual add) is never packed; the checkpoint holds it, the steps must read it too.
+INPUT_LISTENERS: list = []
+
+
+def _note_inputs(module, args, kwargs) -> None:
+    for listener in INPUT_LISTENERS:
+        listener(args, kwargs)
+
+
+def watch_block_inputs(block: nn.Module):
+    """Hands each call's arguments of `block` to `INPUT_LISTENERS`; returns the hook's handle."""
+    return block.register_forward_pre_hook(_note_inputs, with_kwargs=True)
+
+
+def tensor_args(args, kwargs) -> list:
+    """The tensors among a call's arguments, in order (positions in `CallRecorder.inputs`)."""
+    return [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
 PACK_PROBE = "titanlite_pack_probe"
@@ -221,6 +265,8 @@ class CallRecorder:
     pack_refs: list = field(default_factory=list)
     written: set = field(default_factory=set)
     out_views: list = field(default_factory=list)  # per event, (size, stride, offset) per tensor output
+    inputs: list | None = None  # per tensor argument of the block's call, its Ref (None: a subclass)
+    scalars: tuple = ()  # the block's Python numbers when recorded (`ac_direct.scalar_state`)
 
     def on_op(self, func, index: int, args, kwargs, out, saved: bool, verdict: str) -> None:
         in_keys = _storage_keys((args, kwargs), self.alive)
@@ -255,6 +301,9 @@ class CallRecorder:
         nbytes = out.untyped_storage().nbytes() if plain and isinstance(out, torch.Tensor) else 0
         self.events.append(_Event(func, index, saved, verdict, inputs, alias_of, placeholder, inplace_skip,
                                   must_run=not (placeholder or inplace_skip or is_view), nbytes=nbytes))
+
+    def on_inputs(self, args, kwargs) -> None:
+        self.inputs = [Ref(x) if plain_data(x) else None for x in tensor_args(args, kwargs)]
 
     def on_pack(self, x: torch.Tensor) -> None:
         self.pack_refs.append(Ref(x) if plain_data(x) else None)

@@ -27,8 +27,9 @@ that machinery cost about 8.5 points of step time beyond the recomputed FLOPs, a
 torch's checkpoint runs (from the first call) under compile, and from call 3 where the direct
 recompute is not built: a step that draws random numbers, is not aten (collectives: EP, CP),
 reads a tensor subclass (TP's DTensors) or a tensor from outside the block that autograd does
-not pack (DeepSeek's MoE router reads a buffer), runs under autocast, or has an output whose
-shape or value depends on data (`nonzero`, `item`: the recorded arguments would not hold).
+not pack and that is no argument of the block's call (DeepSeek's MoE router reads a buffer), or
+has an output whose shape or value depends on data (`nonzero`, `item`: the recorded arguments
+would not hold). bf16 params and autocast take the direct path (`ac_direct`).
 Each block logs which path it took, and why (`ac` logger; `AC_TRACE FULL ...`).
 """
 
@@ -41,7 +42,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as P
 from torch.utils.checkpoint import noop_context_fn
 
-from parallelisms.ac_dce import CallRecorder
 from parallelisms.ac_direct import Direct, _DirectCall, build_direct
 from parallelisms.ac_modes import make_sac_modes
 from parallelisms.ac_sac import SAC_CACHE_LISTENERS, OpSACPolicy
@@ -49,19 +49,6 @@ from parallelisms.ac_trace import trace_enabled, trace_line
 from parallelisms.activation_checkpoint import ACPolicy, OpSAC
 
 logger = logging.getLogger("ac")
-
-_DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
-
-
-def data_dependent_step(rec: CallRecorder) -> str:
-    """The first recorded op (before the last pack) whose output shape or value is read from
-    data, as its name; "" when there is none. The direct steps replay the recorded arguments,
-    so a later call with other data would rebuild its packs from the wrong sizes."""
-    for e in rec.events[:rec.stop]:
-        if any(tag in getattr(e.func, "tags", ()) for tag in _DATA_DEPENDENT):
-            return str(e.func)
-    return ""
-
 
 class FullCall(_DirectCall):
     """The forward context of a `full` block's direct call (see the module docstring): a
@@ -86,9 +73,12 @@ class FullCall(_DirectCall):
         return super().unpack(slot)
 
     def __exit__(self, exc_type, *exc):
-        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)):
+        if exc_type is None and (not self.ok or self.count != len(self.direct.metas)
+                                 or (self.direct.inputs and self.args is None)):
             torch._C._autograd._pop_saved_tensors_default_hooks()
-            slots, self.slots = self.slots, None
+            self._stop_taking_args()
+            self.args = None
+            slots, self.slots, self.seen = self.slots, None, None
             for slot in slots:  # what the checkpoint's hook would have made of each pack, in order
                 slot.x = self.outer_pack(slot.x)
             self.fell_back = True
@@ -141,10 +131,6 @@ class FullAC(OpSAC):
             if plan.replay is not None:
                 build_direct(plan.source, [], plan.replay.metas, reasons)
             why = reasons[0] if reasons else "no replay of its forward"
-        else:
-            step = data_dependent_step(plan.source)
-            if step:
-                direct, why = None, f"{step}'s output depends on data"
         text = (f"recomputes {len(direct.steps)} ops directly, holds {sum(direct.keep)} of "
                 f"{len(direct.keep)} packs" if direct is not None else f"torch's checkpoint: {why}")
         logger.info("activation checkpointing full: %s %s", prefix, text)
@@ -176,6 +162,7 @@ class FullAC(OpSAC):
             return make_sac_modes(OpSACPolicy(frozenset(), rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = None  # type: ignore[attr-defined]
+        context_fn.inputs_hook = self.watch_inputs(block)  # type: ignore[attr-defined]
         return context_fn
 
 

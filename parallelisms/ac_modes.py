@@ -10,7 +10,7 @@ replays them by the same index). Ours subclass them to
   other does not, and counted they would shift the invocation index of every later call
   of the same op;
 - answer `Placeholder` and in-place-skip entries in the recompute without running the op;
-- call `policy.finish(storage, counts)` when the forward ends.
+- call `policy.open()` when the forward starts and `policy.finish(storage, counts)` when it ends.
 
 Only private torch names are used here (guarded: on a torch without them the plain
 modes run). Under torch.compile, torch's own code runs.
@@ -34,6 +34,8 @@ def make_sac_modes(policy) -> tuple:
     - runtime ops and parameter casts bypass the cache (on torch 2.13 the recompute
       replays the cache by per-op index without calling the policy, so an op that only
       one pass runs must not be counted);
+    - when the forward starts, `policy.open()` registers its pack listeners (a no-grad
+      forward, which torch's checkpoint runs without entering the modes, registers none);
     - when the forward ends, `policy.finish(storage, counts)` may release cache entries
       that the recompute never reads (see `OpSACPolicy.finish`) and reports what is kept;
     - a `Placeholder` entry is answered in the recompute with an empty tensor of the
@@ -102,14 +104,17 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 def is_param_cast(args) -> bool:
-    """A cast of a leaf that requires grad (a parameter; autocast's weight casts). Autocast
-    caches these per region, so a recompute inside the forward's autocast region (backward
-    under the step's autocast) dispatches none of them, and one that starts a new region
-    dispatches them all: counted, they would shift every later cast's invocation index,
-    and a cache entry kept by index (a recompute plan's, a budget's) would be handed to
-    the wrong cast."""
+    """A cast autocast may cache: of an fp32 leaf that requires grad (a parameter; autocast's
+    weight casts). Autocast caches these per region, so a recompute inside the forward's
+    autocast region (backward under the step's autocast) dispatches none of them, and one that
+    starts a new region dispatches them all: counted, they would shift every later cast's
+    invocation index, and a cache entry kept by index (a recompute plan's, a budget's) would
+    be handed to the wrong cast. Autocast caches fp32 sources only: a bf16 leaf's `.float()`
+    (RMSNorm on a pipeline stage's received input under bf16 params) dispatches in both passes
+    and is an op like any other (bypassed, the direct recompute held its fp32 output)."""
     x = args[0] if args else None
-    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and not x._is_view()
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.requires_grad and x.is_leaf \
+        and not x._is_view()
 
 
 def _op_kind(func, ignored) -> int:
@@ -202,6 +207,12 @@ def _mode_classes() -> dict:
             else:
                 entries[index] = _RECOMPUTE
             return out
+
+        def __enter__(self):
+            opened = getattr(self.policy_fn, "open", None)
+            if opened is not None:  # (its pack listeners: only while this forward runs)
+                opened()
+            return super().__enter__()
 
         def __exit__(self, *exc):
             finish = getattr(self.policy_fn, "finish", None)

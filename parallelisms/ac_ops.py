@@ -251,3 +251,8 @@ def draws_random(func, args, kwargs) -> bool:
     p = kwargs.get("dropout_p") if kwargs and "dropout_p" in kwargs else \
         args[position] if position < len(args) else schema.arguments[position].default_value
     return not (isinstance(p, (int, float)) and p == 0)
+
+
+# Ops whose output shape or value is read from data (`nonzero`, `.item()`): a replay of a
+# recorded call's arguments or outputs would not hold for other data.
+DATA_DEPENDENT_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)

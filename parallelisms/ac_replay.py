@@ -13,10 +13,14 @@ entry is cut from its pack (`as_strided` with the op output's recorded size, str
 offset: the same memory, the same values). The recompute runs under the replaying mode as
 before, on a storage built from the template.
 
-Every pack is checked against the call the replay was built from: its shape, dtype and
-the type of its `grad_fn` (the autograd op that made it). On any difference (MoE routing
-changes shapes, a branch runs other ops) this call's recompute runs every op (full AC:
-exact), and the block goes back to the dispatch-mode path, whose plan checks op counts.
+Every pack is checked against the call the replay was built from (`ac_dce.pack_meta`): its
+shape, dtype, the type of its `grad_fn` (the autograd op that made it), its strides, its
+storage offset and which earlier pack shares its storage (the kept entries are cut by the
+recorded view from the recorded pack). On any difference (MoE routing changes shapes, a
+branch runs other ops, an input arrives transposed or at another offset) this call's
+recompute runs every op (full AC: exact), and the block goes back to the dispatch-mode path,
+whose plan checks op counts. A kept output whose value comes from data without a tensor
+(`.item()`: the recompute would be handed the building call's number) makes no replay.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, pack_matches
+from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, pack_matches, pack_metas
+from parallelisms.ac_ops import DATA_DEPENDENT_TAGS
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_replay_mode
 
 
@@ -36,7 +41,7 @@ class Replay:
     template: dict  # op -> {index: entry} without the kept entries (shared by every call)
     kept: list  # (op, index, is a tuple, leaves: a non-tensor leaf's wrapper or None to fill)
     fills: list  # per pack: ((kept entry, leaf, size, stride, offset), ...) cut from it
-    metas: list  # per pack: (shape, dtype, type of grad_fn) of the building call
+    metas: list  # per pack: its `ac_dce.pack_meta` in the building call
 
     def contexts(self, listeners: list, on_mismatch) -> tuple:
         """(forward context, recompute mode) for `checkpoint(context_fn=...)`."""
@@ -47,8 +52,8 @@ class Replay:
 def build_replay(storage, packs: list) -> Replay | None:
     """The replay of the forward that left `storage` (torch's SAC storage after the plan
     was applied) and packed `packs` (in order), or None when a kept entry is not cut from a
-    plain packed tensor, comes from an in-place op or a HOP, or was mutated after it was
-    cached (the mode path would raise)."""
+    plain packed tensor, comes from an in-place op or a HOP, was mutated after it was cached
+    (the mode path would raise), or is a number read from data (`.item()`)."""
     from torch.utils.checkpoint import _RECOMPUTE, _VersionWrapper
     first_pack: dict = {}
     for j, x in enumerate(packs):
@@ -66,6 +71,8 @@ def build_replay(storage, packs: list) -> Replay | None:
             schema = getattr(func, "_schema", None)
             if schema is None or schema.is_mutable or not all(type(w) is _VersionWrapper for w in wrappers):
                 return None  # (an in-place op's output may have been packed before the op wrote it)
+            if any(tag in func.tags for tag in DATA_DEPENDENT_TAGS):
+                return None  # (a later call's `.item()` is another number; the template would keep this one)
             leaves: list = []
             for slot, w in enumerate(wrappers):
                 v = w.val
@@ -78,22 +85,21 @@ def build_replay(storage, packs: list) -> Replay | None:
                 fills[j].append((len(kept), slot, v.size(), v.stride(), v.storage_offset()))
                 leaves.append(None)
             kept.append((func, index, is_tuple, leaves))
-    metas = [(x.shape, x.dtype, type(x.grad_fn)) for x in packs]
-    return Replay(template, kept, [tuple(f) for f in fills], metas)
+    return Replay(template, kept, [tuple(f) for f in fills], pack_metas(packs))
 
 
 class _PackOnlyForward:
     """The forward context of a replayed call: listens to the packs, fills the kept
     entries, and hands the storage to the recompute mode."""
 
-    __slots__ = ("replay", "recompute", "listeners", "on_mismatch", "values", "count", "ok")
+    __slots__ = ("replay", "recompute", "listeners", "on_mismatch", "values", "count", "ok", "seen")
 
     def __init__(self, replay: Replay, recompute, listeners: list, on_mismatch):
         self.replay, self.recompute, self.listeners, self.on_mismatch = replay, recompute, listeners, on_mismatch
 
     def __enter__(self):
         self.values = [list(leaves) for *_, leaves in self.replay.kept]
-        self.count, self.ok = 0, True
+        self.count, self.ok, self.seen = 0, True, {}
         PACK_LISTENERS.append(self.on_pack)
         return self
 
@@ -107,6 +113,7 @@ class _PackOnlyForward:
 
     def __exit__(self, exc_type, *exc):
         PACK_LISTENERS.remove(self.on_pack)
+        self.seen = None
         if exc_type is not None:
             return False
         replay = self.replay

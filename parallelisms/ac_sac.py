@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallelisms.ac_dce import INPLACE_SKIP, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
+from parallelisms.ac_dce import INPLACE_SKIP, INPUT_LISTENERS, PACK_LISTENERS, CallRecorder, RecomputePlan, make_plan
 from parallelisms.ac_modes import Placeholder, kept_tensors, make_sac_modes
-from parallelisms.ac_direct import build_direct
+from parallelisms.ac_direct import build_direct, scalar_state
 from parallelisms.ac_replay import build_replay
 from parallelisms.ac_ops import MATMUL_OPS, op_key
 from parallelisms.ac_trace import trace, trace_line
@@ -210,6 +210,12 @@ class OpSACPolicy:
         self.compiled: bool | None = None  # known at the first op
         hook = type(rules).observe
         self._observe = None if getattr(hook, "_no_op", False) else rules.observe
+        # What this call hands to `ac_dce.PACK_LISTENERS` while its forward runs: registered
+        # when the forward mode is entered (`open`), not here. torch's checkpoint builds the
+        # contexts of a no-grad forward (validation) too, and then never enters them: listeners
+        # registered here stayed for good, and each kept every pack of every later block that
+        # ran through torch's checkpoint (a leak that grew every step).
+        self.listening: list = []
         rules.start_call(self)
         # The recompute plan (ac_dce): applied if the block has one, else this call records one.
         self.plan_key = self.info.get("plan_key")
@@ -221,8 +227,8 @@ class OpSACPolicy:
         self.expected: list | None = None  # the ops its recompute must dispatch, in order
         self.checked = 0
         if plans is not None and self.plan is None and self.plan_key is not None and rules.decisions_final(self):
-            self.recorder = CallRecorder()
-            PACK_LISTENERS.append(self.recorder.on_pack)
+            self.recorder = CallRecorder(scalars=scalar_state(self.info.get("block")))
+            self.listening.append(self.recorder.on_pack)
         # id(op) -> policy for the ops decided once per block that need no per-call work (not
         # matmuls, no plan entry, no SKIP): the caching mode then does not call `forward_op`.
         # One per plan (its entries depend on the plan) or per block; none while recording,
@@ -235,7 +241,14 @@ class OpSACPolicy:
         self.packs: list | None = None
         if self.keep is not None and not self.plan.replay_tried and not trace and getattr(rules, "replay_forward", False):
             self.packs = []
-            PACK_LISTENERS.append(self.packs.append)
+            self.listening.append(self.packs.append)
+
+    def open(self) -> None:
+        """Called when the call's forward mode is entered: its pack listeners start listening
+        (until `finish`, when the forward ends)."""
+        PACK_LISTENERS.extend(self.listening)
+        if self.recorder is not None:
+            INPUT_LISTENERS.append(self.recorder.on_inputs)
 
     def _entry(self, func, args, out) -> tuple:
         """(func, static decision or None, is a matmul) for `func`, made once per block."""
@@ -317,11 +330,13 @@ class OpSACPolicy:
         rec, self.recorder = self.recorder, None
         if rec is not None and rec.on_pack in PACK_LISTENERS:
             PACK_LISTENERS.remove(rec.on_pack)
+        if rec is not None and rec.on_inputs in INPUT_LISTENERS:
+            INPUT_LISTENERS.remove(rec.on_inputs)
         return rec
 
     def _stop_noting_packs(self) -> list | None:
         packs, self.packs = self.packs, None
-        if packs is not None:
+        if packs is not None and packs.append in PACK_LISTENERS:
             PACK_LISTENERS.remove(packs.append)
         return packs
 

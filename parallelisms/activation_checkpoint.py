@@ -52,7 +52,7 @@ from parallelisms.ac_ops import (
     is_runtime_op,
     op_key,
 )
-from parallelisms.ac_dce import block_kind, register_pack_probe
+from parallelisms.ac_dce import block_kind, register_pack_probe, watch_block_inputs
 from parallelisms.ac_sac import SAC_CACHE_LISTENERS, ModuleScope, OpSACPolicy, make_sac_modes
 from parallelisms.ac_trace import reset_ac_trace, trace_enabled
 from configuration.fields import ConfigError, check_value, opt
@@ -149,6 +149,9 @@ class ACPolicy:
         scope = getattr(kwargs.get("context_fn"), "scope", None)
         if scope is not None:
             scope.remove()
+        hook = getattr(kwargs.get("context_fn"), "inputs_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def apply(self, model: nn.Module) -> None:
         """Wraps the blocks of `model.layers` in place with a non-reentrant
@@ -302,7 +305,8 @@ class OpSAC(ACPolicy):
     def block_info(self, block: nn.Module | None, prefix: str) -> dict:
         """What the rules want to know about a block, once, when it is wrapped (each
         call's `OpSACPolicy.info`)."""
-        return {"prefix": prefix, "plan_key": (block_kind(block), prefix) if self.plans is not None else None}
+        return {"prefix": prefix, "plan_key": (block_kind(block), prefix) if self.plans is not None else None,
+                "block": block}
 
     def context_fn(self, block: nn.Module | None = None, prefix: str = "") -> Callable[[], tuple]:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying this policy.
@@ -333,7 +337,15 @@ class OpSAC(ACPolicy):
                                               rules=rules, info=info, table=table, fast=fast))
 
         context_fn.scope = scope  # type: ignore[attr-defined]
+        context_fn.inputs_hook = self.watch_inputs(block)  # type: ignore[attr-defined]
         return context_fn
+
+    def watch_inputs(self, block: nn.Module | None):
+        """The hook that hands the block's arguments to the recording call and to direct calls
+        (`ac_dce.watch_block_inputs`), in eager mode with a recompute plan; else None."""
+        if block is None or self.plans is None or self.compile_enabled or not self.direct_recompute:
+            return None
+        return watch_block_inputs(block)
 
     def checkpoint_kwargs(self, block: nn.Module, *, prefix: str) -> dict[str, Any]:
         kwargs = {**super().checkpoint_kwargs(block, prefix=prefix), "context_fn": self.context_fn(block, prefix)}

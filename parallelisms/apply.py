@@ -127,6 +127,9 @@ class ModelParts:
     has_first_stage: bool = True
     has_last_stage: bool = True
     summary: dict[str, float] = field(default_factory=dict)
+    # (name, meta param) of the whole model before the PP split: what a config rule over
+    # parameter names (optimizer.muon_params) is checked against on every stage alike
+    whole_model_params: list = field(default_factory=list)
 
 
 def build_model_parts(spec, args, dims, cfg, device: torch.device, *, loss_fn: Callable | None = None,
@@ -140,16 +143,17 @@ def build_model_parts(spec, args, dims, cfg, device: torch.device, *, loss_fn: C
     summary = spec.summary_fn(model, args, cfg.training.seq_len) if spec.summary_fn else {}
     if prepare is not None:
         prepare(model)
+    whole = list(model.named_parameters())
     if dims.pp_enabled:
         from parallelisms.pipeline import build_schedule, split_for_rank
 
         stages = split_for_rank(model, dims, cfg)
         parts = [parallelize(part, spec, dims, cfg) for _, part in stages]
-        built = ModelParts(parts, summary=summary)
+        built = ModelParts(parts, summary=summary, whole_model_params=whole)
         built.schedule, built.has_first_stage, built.has_last_stage = build_schedule(
             parts, [sid for sid, _ in stages], dims, cfg, loss_fn, device)
     else:
-        built = ModelParts([parallelize(model, spec, dims, cfg)], summary=summary)
+        built = ModelParts([parallelize(model, spec, dims, cfg)], summary=summary, whole_model_params=whole)
     if materialize:
         from parallelisms.param_init import layout_independent_init
 

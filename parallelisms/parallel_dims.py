@@ -68,6 +68,13 @@ def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batc
             raise ConfigError(f"config error: parallelism.pipeline_parallel_degree: {pp}, but this model ties its "
                               "output head to the embedding (tie_embeddings), which pipeline stages cannot share; "
                               "set it to 1 or use an untied flavor")
+        if getattr(model_args, "aux_loss_scope", None) == "model" and getattr(model_args, "aux_loss_coeff", 0) > 0 \
+                and getattr(model_args, "n_routed_experts", 0):
+            # One balance loss over every MoE layer of a forward (models/common/moe_pool.py).
+            raise ConfigError("config error: moe.aux_loss_scope: 'model' pools the routing of every MoE layer into "
+                              "one balance loss (HF's), which pipeline stages cannot share; under "
+                              f"pipeline_parallel_degree {pp} use --moe.aux_loss_scope batch (one loss per layer) or "
+                              "--moe.aux_loss_coeff 0")
         check_pipeline_layout(cfg, getattr(model_args, "n_layers", None), local_batch_size)
     if cfg.context_parallel_degree > 1:
         from parallelisms.context_parallel import check_context_parallel_layout

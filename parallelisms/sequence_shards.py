@@ -72,7 +72,7 @@ def add_sequence_shard_mesh(model: nn.Module, mesh) -> int:
 
 
 def add_batch_shard_mesh(model: nn.Module, dp_mesh) -> int:
-    """Every MoE layer of `model` whose balance loss is batch-scope (Qwen3's) sums its pick
+    """Every MoE layer of `model` whose balance loss is batch- or model-scope (Qwen3's) sums its pick
     counts over the data-parallel mesh too, so f_i is that of the whole batch the data ranks
     route together in one forward, as on one rank. Sequence-scope layers are left
     alone (their sequences are whole on each data rank). Returns the layers touched."""
@@ -80,7 +80,8 @@ def add_batch_shard_mesh(model: nn.Module, dp_mesh) -> int:
 
     touched = 0
     for module in model.modules():
-        if isinstance(module, MoE) and module.args.aux_loss_scope == "batch" and module.args.aux_loss_coeff > 0:
+        if isinstance(module, MoE) and module.args.aux_loss_scope in ("batch", "model") \
+                and module.args.aux_loss_coeff > 0:
             if module.aux_loss_count_reduce is None:
                 module.aux_loss_count_reduce = SequenceShardCounts()
             module.aux_loss_count_reduce.batch_meshes.append(dp_mesh)

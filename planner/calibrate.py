@@ -313,7 +313,8 @@ def calibrate_cpu(path=None) -> tuple[Hardware, str]:
     with open("/proc/meminfo") as f:
         ram_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
     eff = Efficiency(matmul=1.0, float8_matmul=1.0, attention=min(1.0, attn / mm), grouped_gemm=min(1.0, grouped / mm),
-                     hbm=1.0, link=1.0, overlap=0.0, compile_elementwise=0.5, step_overhead_s=0.02,
+                     hbm=1.0, link=1.0, contention_in_node=1.0, contention_inter_node=1.0, compile_elementwise=0.5,
+                     step_overhead_s=0.02,
                      block_overhead_s=block, collective_latency_s=latency, sync_point_s=sync,
                      oversubscribed_latency_x=latency_x, **multipliers)
     hw = Hardware(name=CPU_NAME, bf16_tflops=mm / 1e12, fp8_tflops=0.0, hbm_gib=ram_kib / 2**20,

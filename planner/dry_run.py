@@ -32,7 +32,7 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     from planner.hardware import get_hardware
     from planner.layout import plan_of_config
     from planner.memory import MemoryModel
-    from planner.search import Search
+    from planner.search import DEFAULT_MARGIN, Search
     from planner.step_time import predict
     from planner.workload import workload_of
 
@@ -46,11 +46,12 @@ def _lines(argv: list[str], cfg, world: int) -> list[str]:
     esize = 4 if hw.device == "cpu" else 2
     st = predict(plan, w, hw, seq, compute_bytes=esize)
     memory = MemoryModel(list(argv), hw.device, hw.gpus_per_node)
-    capacity = hw.hbm_gib * GiB
+    capacity = hw.hbm_gib * GiB * (1 - DEFAULT_MARGIN)
     try:
         mem = memory.of(plan)
         fits = mem.total <= capacity
-        mem_text = f"{mem.total / GiB:.1f} GiB per rank of {hw.hbm_gib:g} ({'fits' if fits else 'does NOT fit'})"
+        mem_text = (f"{mem.total / GiB:.1f} GiB per rank of {hw.hbm_gib:g} ({'fits' if fits else 'does NOT fit'} "
+                    f"with {DEFAULT_MARGIN:.0%} kept free)")
     except Exception as e:  # e.g. AC memory_budget, which the estimator cannot count
         mem_text = f"memory n/a ({str(e).splitlines()[0]})"
     out = [f"plan: predicted on {world} x {hw.name}: {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {st.mfu:.1%}, "

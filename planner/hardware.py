@@ -29,7 +29,15 @@ class Efficiency:
     grouped_gemm: float = 0.35  # MoE routed experts' grouped GEMM, of peak FLOP/s
     hbm: float = 0.70  # elementwise ops (norms, activations, adds), of HBM bandwidth
     link: float = 0.75  # collectives, of the link's per-GPU bandwidth (bus bandwidth)
-    overlap: float = 0.80  # share of FSDP/HSDP/PP traffic hidden behind compute (prefetch)
+    # Overlapped traffic (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce, PP's sends)
+    # hides behind the compute of its phase (forward; backward + recompute) and is exposed beyond
+    # it; what it hides still slows the compute by this share of its time (the collective's
+    # kernels take SMs and memory bandwidth), per link. 1: nothing hides (a CPU's gloo).
+    contention_in_node: float = 0.05
+    contention_inter_node: float = 0.05
+    # CP all-gather under compile runs flex attention (CUDA): its rate as a share of the fused
+    # causal kernel's (`attention`)
+    cp_flex_attention: float = 1.0
     compile_elementwise: float = 0.45  # elementwise bytes left after compile's fusion
     step_overhead_s: float = 0.05  # per optimizer step: launch gaps, the optimizer's kernel launches, clip
     # Fixed costs that do not scale with tokens (0 on GPUs: launches run ahead of big kernels, and
@@ -74,17 +82,24 @@ class Hardware:
 
 # The efficiencies calibrated on TorchTitan's published H100 rows (docs/planner.md, "Calibration");
 # every GPU below shares them until it has rows of its own.
-# Fitted (scripts/bench_plan.py h100): matmul, hbm, overlap, step_overhead_s. Set, not fitted: attention
-# = 0.68 x matmul (FlashAttention-2's causal fwd+bwd relative to GEMMs on H100), grouped_gemm,
-# float8_matmul, link and compile_elementwise (priors; docs/planner.md).
-H100_EFFICIENCY = Efficiency(matmul=0.54, float8_matmul=0.40, attention=0.367, grouped_gemm=0.35, hbm=0.25, link=0.70,
-                             overlap=0.65, compile_elementwise=0.5, step_overhead_s=0.16)
+# Fitted on the four calibration rows and nothing else (`python scripts/bench_plan.py fit`): matmul,
+# hbm and step_overhead_s (the three 8-GPU rows), contention_inter_node (the 128-GPU row; in-node set
+# equal to it). Derived, not
+# fitted to any run: attention = 0.68 x matmul (FlashAttention-2's causal fwd+bwd relative to GEMMs
+# on H100); float8_matmul from torchao's microbenchmark of one compiled Linear (`fit` prints it).
+# Set (priors; docs/planner.md): grouped_gemm, link, compile_elementwise, cp_flex_attention.
+H100_EFFICIENCY = Efficiency(matmul=0.592, float8_matmul=0.613, attention=0.403, grouped_gemm=0.35, hbm=0.241,
+                             link=0.70, contention_in_node=0.070, contention_inter_node=0.070, cp_flex_attention=0.87,
+                             compile_elementwise=0.5, step_overhead_s=0.144)
 
 KNOWN: dict[str, Hardware] = {h.name: h for h in (
     Hardware("h100-sxm", 989, 1979, 79.6, 3350, 450, 8, 50, efficiency=H100_EFFICIENCY,
              note="H100 SXM5 80 GB, NVLink 4 (900 GB/s bidirectional), 400 Gb/s NIC per GPU"),
-    Hardware("h100-tt", 989, 1979, 89.4, 2400, 450, 8, 50, efficiency=H100_EFFICIENCY,
-             note="TorchTitan's benchmark H100: SXM at 500 W, 96 GB HBM2e (bandwidth assumed), 400 Gb/s per GPU"),
+    # Their write-up: "the actual peak TFLOPs number is between SXM and NVL": the midpoint of the SXM
+    # (989 / 1979 dense bf16 / fp8) and NVL (835 / 1671) datasheet peaks.
+    Hardware("h100-tt", 912, 1825, 89.4, 2400, 450, 8, 50, efficiency=H100_EFFICIENCY,
+             note="TorchTitan's benchmark H100: SXM at 500 W (peak between SXM and NVL: the midpoint), 96 GB HBM2e "
+                  "at 2.4 TB/s, 400 Gb/s per GPU"),
     Hardware("h100-pcie", 756, 1513, 79.6, 2000, 64, 8, 50, efficiency=H100_EFFICIENCY,
              note="H100 PCIe 80 GB without NVLink bridges: peers talk over PCIe 5 (assumed 64 GB/s)"),
     Hardware("h200", 989, 1979, 139.8, 4800, 450, 8, 50, efficiency=H100_EFFICIENCY,
@@ -152,12 +167,17 @@ def hardware_from_table(table: dict, source: str, name: str | None = None) -> Ha
     if not isinstance(eff_table, dict):
         raise ConfigError(f"config error: {source}: [efficiency] must be a table of key = value")
     eff = {}
+    if "overlap" in eff_table:  # calibration files before the per-link terms: the share hidden
+        hidden = eff_table["overlap"]
+        eff_table = {k: v for k, v in eff_table.items() if k != "overlap"}
+        if isinstance(hidden, (int, float)) and not isinstance(hidden, bool):
+            eff_table |= {"contention_in_node": 1 - hidden, "contention_inter_node": 1 - hidden}
     for key, v in eff_table.items():
         if key not in _EFF_FIELDS:
             raise ConfigError(f"config error: {source}: unknown efficiency field {key!r}; fields: "
                               f"{', '.join(_EFF_FIELDS)}")
         seconds, multiple = key.endswith("_s"), key.endswith("_x")
-        eff[key] = _number(source, f"efficiency.{key}", v, positive=not seconds and key != "overlap",
+        eff[key] = _number(source, f"efficiency.{key}", v, positive=not seconds and not key.startswith("contention"),
                            at_most=None if seconds or multiple else 1.0)
         if multiple and v < 1:
             raise ConfigError(f"config error: {source}: efficiency.{key} = {v!r} is a multiple (a factor of a "

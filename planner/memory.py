@@ -16,7 +16,8 @@ and a plan is then read off it:
   linear in the microbatch's tokens; under PP the kept activations also scale with the
   schedule's in-flight stage-microbatches (`_in_flight_units`, the estimator's own rule);
 - FSDP's gathered buffers do not change; accumulated gradients are held when the plan
-  accumulates (PP or gradient accumulation);
+  accumulates (PP or gradient accumulation), and under PP with FSDP every unit's gradient
+  is held unsharded over the microbatches (the same at any dp_shard);
 - the GPU terms (CUDA context, NCCL buffers, EP imbalance) come from the estimator
   (`trainer/memory/device_overhead.py`); the allocator's margin is re-taken on the
   scaled peak.
@@ -87,7 +88,7 @@ def reference_plan(plan: Plan) -> Plan:
         mb, lb = 1, 1
     world = rep * d0 * plan.cp * plan.tp * plan.pp
     return dataclasses.replace(plan, world=world, dp_replicate=rep, dp_shard=d0, microbatch=mb, local_batch=lb,
-                               grad_accum=1, float8=False, compile=False)
+                               grad_accum=1, float8=False, float8_all_gather=False, compile=False)
 
 
 # AC modes whose references are estimated lazily: the EP-skewed probe and the second point
@@ -169,7 +170,9 @@ class MemoryModel:
 
     def _entry(self, plan: Plan) -> _Reference:
         """The cache entry of `plan`'s structural key; a new one is estimated at once in full
-        (both points, one assembly), except under the AC modes of `LAZY_AC`."""
+        (both points, one assembly), except under the AC modes of `LAZY_AC`, and without its
+        second point where `plan` has the reference's microbatch (most pipeline plans: a
+        later plan that needs the point gets it then)."""
         key = structural_key(plan)
         if key in self.cache:
             self.hits += 1
@@ -180,6 +183,9 @@ class MemoryModel:
         if plan.ac in LAZY_AC and (skew or plan.ac == "budget"):
             est, = self._estimate([ref], [self._phases_only()])
             entry = _Reference(ref, double, est, not skew, None)
+        elif _tokens(ref, plan) == 1:  # e.g. PP at the reference's microbatch: `scale` reads no second point
+            est, = self._estimate([ref], [self.overheads])
+            entry = _Reference(ref, double, est, True, None)
         else:
             est, est2 = self._estimate([ref, double], [self.overheads, self._phases_only()])
             entry = _Reference(ref, double, est, True, est2)
@@ -211,6 +217,14 @@ class MemoryModel:
         entry = self._entry(plan)
         self._complete(entry, second=True)
         return entry.plan, entry.est, entry.est2
+
+    def exact(self, plan: Plan) -> PlanMemory:
+        """The estimator on `plan` itself (its fast path: the full estimator's bytes), as a
+        PlanMemory (`--predict`): nothing is scaled, whatever the plan accumulates."""
+        est, = self._estimate([plan], [self.overheads])
+        return PlanMemory(total=int(est.device_total), tensors=int(est.total), persistent=int(est.persistent),
+                          activations=int(est.activations), peak_phase=max(est.phases, key=est.phases.get),
+                          device_terms=int(sum(est.device_terms.values())), exact=True, reference=est)
 
     def cached(self, plan: Plan) -> bool:
         return structural_key(plan) in self.cache
@@ -257,9 +271,16 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
     s = ref.dp_shard / plan.dp_shard
     tok = _tokens(ref, plan)
     assert tok >= 1, (ref, plan)  # a reference has the smallest microbatch
+    assert ref.grad_accum == 1, ref  # and does not accumulate (`reference_plan`): `held_grads` has no sharded part
     act = tok * _units(plan) / _units(ref)
-    accum_ref = est.grads if (ref.grad_accum > 1 or ref.pp > 1) else 0
-    accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
+    accum_ref = est.held_grads
+    if plan.pp > 1 and plan.dp_shard * plan.cp * plan.dp_replicate > 1:
+        # PP with FSDP holds every unit's gradient unsharded over the microbatches (the
+        # estimator's `_pp_fsdp_held_grads`): the same at any dp_shard; a reference does not
+        # accumulate, a plan that does also keeps the sharded gradients between its steps
+        accum_new = est.held_grads + (est.grads * s if plan.grad_accum > 1 else 0)
+    else:
+        accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
     phases = {}
     for name, v in est.phases.items():
         if name == "optimizer step":

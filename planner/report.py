@@ -20,12 +20,13 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
-def table(results, capacity: float, title: str) -> str:
+def table(results, hbm: float, title: str) -> str:
+    """`hbm`: the device's memory in bytes (the column shows the share of it left free)."""
     lines = [title, "",
-             "| # | layout | AC | options | memory/rank GiB (margin) | tokens/s/GPU | MFU | step s | bottleneck |",
+             "| # | layout | AC | options | memory/rank GiB (free) | tokens/s/GPU | MFU | step s | bottleneck |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):
-        margin = 1 - r.memory.total / capacity
+        margin = 1 - r.memory.total / hbm
         mark = "" if r.memory.exact else "~"
         lines.append(f"| {i} | {r.plan.layout_label()} | {r.plan.ac_label()} | {r.plan.options_label()} | "
                      f"{mark}{_gib(r.memory.total)} ({margin:.0%}) | {r.time.tokens_per_s_per_gpu:,.0f} | "
@@ -33,9 +34,10 @@ def table(results, capacity: float, title: str) -> str:
     return "\n".join(lines)
 
 
-def explain(result, n: int, capacity: float) -> str:
+def explain(result, n: int, hbm: float) -> str:
+    """Plan `n`'s step and memory, part by part (n = 0: the config's own layout, --predict)."""
     st, mem, plan = result.time, result.memory, result.plan
-    lines = [f"plan {n}: {plan.layout_label()}, AC {plan.ac_label()}, {plan.options_label()} on {plan.world} ranks",
+    lines = [f"{f'plan {n}' if n else 'layout'}: {plan.layout_label()}, AC {plan.ac_label()}, {plan.options_label()} on {plan.world} ranks",
              f"  step {st.step_s:.3f} s = {st.tokens_per_step:,} tokens; {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
              f"MFU {st.mfu:.1%}; bottleneck: {st.bottleneck}", "", "  step time, by part:"]
     for k, v in st.parts.items():
@@ -44,9 +46,9 @@ def explain(result, n: int, capacity: float) -> str:
         lines += ["", "  collectives per rank per step:"]
         for c in st.collectives:
             lines.append(f"    {c.name:<34}{c.bytes / GiB:>9.3f} GiB over {c.group:>4} ranks, {c.link:<10} "
-                         f"{c.seconds:>8.4f} s {'overlapped' if c.overlapped else 'exposed'}")
+                         f"{c.seconds:>8.4f} s {_overlap_label(c)}")
     ref = mem.reference
-    lines += ["", f"  memory per rank: {_gib(mem.total)} GiB of {_gib(capacity)} GiB "
+    lines += ["", f"  memory per rank: {_gib(mem.total)} GiB of {_gib(hbm)} GiB "
               f"({'exact estimate' if mem.exact else 'scaled from the estimate of ' + _ref_label(ref)})",
               f"    params + AdamW states      {_gib(mem.persistent)} GiB",
               f"    activations kept           {_gib(mem.activations)} GiB",
@@ -55,6 +57,13 @@ def explain(result, n: int, capacity: float) -> str:
               "allocator margin)" if mem.device_terms else "    GPU terms                  none (CPU)"]
     lines += ["", "  run it: NGPU=%d ./run_train.sh --config <base> %s" % (plan.world, " ".join(plan.overrides()))]
     return "\n".join(lines)
+
+
+def _overlap_label(c) -> str:
+    """Where a collective's time goes (step_time.exposed_overlapped)."""
+    if not c.overlapped:
+        return "exposed"
+    return "exposed, after the last microbatch" if c.phase == "end" else f"hidden behind the {c.phase}, up to it"
 
 
 def _ref_label(est) -> str:

@@ -31,7 +31,14 @@ from planner.step_time import StepTime, predict
 from planner.workload import Workload
 
 GiB = 1024**3
+# The share of a GPU's memory a plan leaves free (--margin): the estimate counts tensors and the
+# GPU terms, while the allocator's fragmentation and what the estimate misses come on top
+# (docs/planner.md, "Known blind spots": published reserved memory runs 6-12% above ours).
+DEFAULT_MARGIN = 0.10
 PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2))
+# AC modes by what they keep, least first: full keeps each block's input only; budget 0.5 and
+# op keep part of the rest; none keeps it all (full's least option bounds every mode's).
+FRUGAL_ORDER = ("full", "budget", "op", "none")
 
 
 @dataclass
@@ -75,11 +82,12 @@ def _pow2_upto(n: int) -> list[int]:
 
 class Search:
     def __init__(self, cfg, base_argv: list[str], w: Workload, hw: Hardware, world: int, seq_len: int,
-                 global_samples: int, space: Space, memory: MemoryModel, headroom: float = 0.0,
+                 global_samples: int, space: Space, memory: MemoryModel, margin: float = DEFAULT_MARGIN,
                  max_estimates: int | None = None):
         self.cfg, self.base_argv, self.w, self.hw = cfg, base_argv, w, hw
         self.world, self.seq, self.samples, self.space, self.memory = world, seq_len, global_samples, space, memory
-        self.capacity = hw.hbm_gib * GiB * (1 - headroom)
+        self.margin = margin  # the share of the device's memory a plan must leave free
+        self.capacity = hw.hbm_gib * GiB * (1 - margin)
         self.esize = 4 if hw.device == "cpu" else 2
         self.stats = SearchStats()
         self._layout_ok: dict = {}
@@ -146,9 +154,15 @@ class Search:
                                 if f8 and not (cuda and self.hw.fp8_tflops > 0):
                                     continue
                                 p = dataclasses.replace(skel, local_batch=lb, grad_accum=per_dp // lb, ac=ac,
-                                                        budget_fraction=b, chunked_ce=cce, compile=comp, float8=f8)
+                                                        budget_fraction=b, chunked_ce=cce, compile=comp, float8=f8,
+                                                        float8_all_gather=f8 and self._float8_gather(skel))
                                 if all(getattr(p, k) == v for k, v in sp.fixed.items()):
                                     yield p
+
+    def _float8_gather(self, skel: Plan) -> bool:
+        """float8 plans gather in float8 wherever FSDP shards (half the bytes; tensorwise only)."""
+        sharded = skel.dp_shard * skel.cp * skel.dp_replicate > 1
+        return sharded and self.cfg.float8.recipe == "tensorwise"
 
     # ---- checks ----
     def layout_ok(self, plan: Plan) -> bool:
@@ -191,7 +205,8 @@ class Search:
         """A lower bound of the tensors per rank: 16 bytes (param, grad, 2 moments, fp32) per
         local parameter of an average PP rank, plus FSDP's gathered parameters in the compute
         dtype (under PP the trainer keeps a stage's units gathered: reshard_after_forward
-        default; otherwise at least one block). Routed experts are sharded over
+        default; otherwise at least one block), and under PP the stage's gradients, unsharded in
+        fp32 over the microbatches. Routed experts are sharded over
         dp_shard x cp x tp with EP, over dp_shard x cp without it."""
         w = self.w
         tp_dense = plan.tp
@@ -203,8 +218,8 @@ class Search:
         fsdp = plan.dp_shard * plan.cp > 1 or plan.dp_replicate > 1
         if not fsdp:
             buffers = 0.0
-        elif plan.pp > 1:
-            buffers = gathered_stage * self.esize
+        elif plan.pp > 1:  # the sharded gradients give way to the unsharded ones (fp32) held over microbatches
+            return 0.97 * (12 * local + gathered_stage * (self.esize + 4))
         else:
             buffers = gathered_stage / self.w.n_layers * self.esize
         return 0.97 * (16 * local + buffers)
@@ -233,20 +248,27 @@ class Search:
         best = math.inf
         for comp in self.space.compile:
             for f8 in self.space.float8:
+                f8 = f8 and self.hw.fp8_tflops > 0 and self.hw.device == "cuda"
                 p = dataclasses.replace(skel, local_batch=lb, grad_accum=per_dp // lb, ac="none", compile=comp,
-                                        float8=f8 and self.hw.fp8_tflops > 0 and self.hw.device == "cuda")
+                                        float8=f8, float8_all_gather=f8 and self._float8_gather(skel))
                 best = min(best, self.predict(p).step_s)
         return best
 
+    @staticmethod
+    def _memory_key(plan: Plan) -> Plan:
+        """The plan without what its memory does not depend on (the batch aside): compile and
+        float8 count as eager bf16."""
+        return dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False,
+                                   float8_all_gather=False)
+
     def _dominated(self, plan: Plan) -> bool:
-        key = (dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False))
-        return plan.local_batch >= self._mem_fail.get(key, math.inf)
+        return plan.local_batch >= self._mem_fail.get(self._memory_key(plan), math.inf)
 
     def fits(self, plan: Plan) -> PlanMemory | None:
         mem, total = self.memory.fit(plan, self.capacity)
         self._footprints.append((total, len(self._footprints), plan, mem))
         if mem is None:
-            key = dataclasses.replace(plan, local_batch=0, grad_accum=0, compile=False, float8=False)
+            key = self._memory_key(plan)
             self._mem_fail[key] = min(self._mem_fail.get(key, math.inf), plan.local_batch)
             return None
         return mem
@@ -265,20 +287,26 @@ class Search:
         return None if best is None else (best[0], best[2], best[3])
 
     def frugal_fits(self, skel: Plan) -> bool:
-        """Whether the skeleton's least memory (full AC, the smallest local batch) fits: one
-        estimate that rules out all its options when it does not."""
-        opts = [p for p in self.options(skel) if p.ac == "full" and not p.compile and not p.float8]
-        opts = [p for p in opts if self.layout_ok(p)]
-        if not opts:
-            return False
-        small = min(opts, key=lambda p: (p.local_batch, not p.chunked_ce))
-        if self.activation_bound(small) > self.capacity:
-            self.stats.rejected_by_bound += 1
-            return False
-        if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
-                and not self.memory.cached(small):
-            return True  # unknown: let the options decide (the walk stops at its next estimate)
-        return self.fits(small) is not None
+        """Whether the skeleton's least memory fits: per AC mode the space allows, least-memory
+        mode first (`FRUGAL_ORDER`), its smallest local batch; one estimate per mode at most,
+        and none once a mode fits. Memory does not depend on compile or float8 (the estimator
+        counts both as eager bf16), so whichever values the space allows stand for all. With
+        `full` allowed, its option is the least of all and decides alone."""
+        opts = [p for p in self.options(skel) if self.layout_ok(p)]
+        modes = sorted({p.ac for p in opts}, key=FRUGAL_ORDER.index)
+        if "full" in modes:
+            modes = ["full"]
+        for mode in modes:
+            small = min((p for p in opts if p.ac == mode), key=lambda p: (p.local_batch, not p.chunked_ce))
+            if self.activation_bound(small) > self.capacity:
+                self.stats.rejected_by_bound += 1
+                continue
+            if self.max_estimates is not None and self.memory.calls >= self.max_estimates \
+                    and not self.memory.cached(small):
+                return True  # unknown: let the options decide (the walk stops at its next estimate)
+            if self.fits(small) is not None:
+                return True
+        return False
 
     # ---- the walk ----
     def run(self, top: int = 10) -> list[Result]:

@@ -10,12 +10,13 @@ quantities that can be checked one by one:
   over HBM bandwidth; compile fuses part of it away;
 - every collective the plan issues, with its bytes per rank, over the link its group
   crosses (mesh order pp, dp_replicate, dp_shard, cp, tp: a group stays in a node when
-  its span fits), and whether it overlaps compute (FSDP, HSDP and PP traffic is
-  prefetched; TP, CP and EP traffic sits on the critical path);
+  its span fits), and whether it overlaps compute: FSDP, HSDP and PP traffic hides behind
+  the compute of its own phase (forward or backward) on its own link, at a contention cost
+  (`exposed_overlapped`); TP, CP and EP traffic sits on the critical path;
 - the schedule's pipeline bubble, and the recompute of the chosen AC mode.
 
-The calibration parameters are `hardware.Efficiency` (eight numbers per GPU type), all in
-docs/planner.md with where they come from. Nothing else is fitted.
+The calibration parameters are `hardware.Efficiency`, all in docs/planner.md with where
+they come from. Nothing else is fitted.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Collective:
     overlapped: bool
     calls: float = 0.0  # per rank per step
     kind: str = ""  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
+    phase: str = ""  # overlapped ones: the compute they hide behind (forward, backward; end: none)
 
 
 @dataclass
@@ -123,6 +125,45 @@ def busiest_pp_rank(plan: Plan, w: Workload) -> tuple[list[int], bool, bool]:
     return best[1:]
 
 
+def exposed_overlapped(colls: list, plan: Plan, hw: Hardware, compute: float, recompute: float) -> float:
+    """What the overlapped traffic costs the step. Per phase and link, the traffic a phase issues
+    hides behind that phase's compute (forward: a third of it; backward: the rest and the
+    recompute; under PP the once-per-step gather has only the first microbatch's forward) and is
+    exposed beyond it; what hides still slows the compute by `contention_<link>` of its time. The
+    first unit's gather of each forward is exposed (nothing runs before it), and so is a
+    reduction after the last microbatch ("end"). Phases: forward, "first forward" (the first
+    microbatch's: PP's once-per-step gathers), backward, end."""
+    eff = hw.efficiency
+    window = {"forward": compute / 3, "first forward": compute / 3 / plan.n_microbatches,
+              "backward": compute * 2 / 3 + recompute, "end": 0.0}
+    traffic: dict = {}
+    for c in colls:
+        if c.overlapped:
+            traffic[c.phase, c.link] = traffic.get((c.phase, c.link), 0.0) + c.seconds
+    exposed = 0.0
+    for (phase, link), seconds in traffic.items():
+        contention = eff.contention_in_node if link == "in-node" else eff.contention_inter_node
+        hidden = min(seconds, window[phase])
+        exposed += seconds - hidden + contention * hidden
+    first = next((c for c in colls if c.name.startswith("FSDP all-gather (") and "forward" in c.phase), None)
+    if first is not None and first.calls:  # one unit per forward waits for its own gather
+        exposed += first.seconds / first.calls * (1 if plan.pp > 1 else plan.n_microbatches)
+    return exposed
+
+
+def float8_linear_speedup(hw: Hardware, m: int, k: int, n: int) -> float:
+    """The model's speedup of one compiled Linear (tokens m, in k, out n), forward + backward, in
+    tensorwise float8 over bf16: its three GEMMs at `float8_matmul` of the fp8 peak, plus the casts
+    `predict` charges (input 10 bytes, output gradient 7, weight 2 x 5 per element) at compile's
+    share of the elementwise traffic. H100's `float8_matmul` is set so that this gives torchao's
+    microbenchmark (docs/planner.md)."""
+    eff = hw.efficiency
+    flops = 6.0 * m * k * n
+    bf16 = flops / (hw.bf16_tflops * 1e12 * eff.matmul)
+    casts = (10 * m * k + 7 * m * n + 10 * k * n) * eff.compile_elementwise / (hw.hbm_gbs * 1e9 * eff.hbm)
+    return bf16 / (flops / (hw.fp8_tflops * 1e12 * eff.float8_matmul) + casts)
+
+
 def _link(span: int, hw: Hardware) -> tuple[str, float]:
     if span <= hw.gpus_per_node:
         return "in-node", hw.nvlink_gbs * 1e9
@@ -149,15 +190,22 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     L = len(layers)
 
     head_mm = w.head if holds_head else 0
-    mm_flops = tok * (w.matmul_flops_per_token(layers) + 6.0 * head_mm)
-    attn_flops = tok * w.attention_flops_per_token(layers, seq_len)
-    grouped_flops = tok * w.grouped_flops_per_token(layers)
     fp8_ok = plan.float8 and hw.fp8_tflops > 0
-    mm_peak = (hw.fp8_tflops if fp8_ok else hw.bf16_tflops) * 1e12 * (peak / (hw.bf16_tflops * 1e12))
+    # float8 converts every block Linear but the router gate (not the head, not routed experts)
+    f8_weights = sum(w.layer_float8[i] for i in layers) if fp8_ok and w.layer_float8 else 0
+    # MLA under CP all-gather: every rank up-projects the whole gathered latent (wkv_b on S, not S/cp)
+    allgather_cp = cp > 1 and plan.cp_method == "allgather"
+    kv_up = (cp - 1) * sum(w.layer_kv_up[i] for i in layers) if allgather_cp and w.layer_kv_up else 0
+    bf16_mm = tok * (w.matmul_flops_per_token(layers) - 6.0 * f8_weights + 6.0 * kv_up)
+    fp8_peak = hw.fp8_tflops * 1e12 * (peak / (hw.bf16_tflops * 1e12))
     head_s = tok * 6.0 * head_mm / (peak * eff.matmul)
-    t_mm = (mm_flops - tok * 6.0 * head_mm) / (mm_peak * (eff.float8_matmul if fp8_ok else eff.matmul)) + head_s
-    t_attn = attn_flops / (peak * eff.attention)
-    t_grouped = grouped_flops / (peak * eff.grouped_gemm)
+    t_mm = bf16_mm / (peak * eff.matmul) + head_s
+    if f8_weights:
+        t_mm += tok * 6.0 * f8_weights / (fp8_peak * eff.float8_matmul)
+    # CP all-gather under compile on CUDA runs flex attention on its query chunks (context_parallel.py)
+    attn_rate = eff.attention * (eff.cp_flex_attention if allgather_cp and plan.compile and hw.device == "cuda" else 1.0)
+    t_attn = tok * w.attention_flops_per_token(layers, seq_len) / (peak * attn_rate)
+    t_grouped = tok * w.grouped_flops_per_token(layers) / (peak * eff.grouped_gemm)
 
     # elementwise bytes per token per block, forward: 2 norms (r+w), 2 residual adds (2r+w),
     # RoPE on q and k (r+w), SwiGLU (2r+w of the hidden); backward about twice that.
@@ -165,8 +213,15 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     ew_bytes = tok * L * 3 * fwd_ew
     loss_shards = tp if tp > 1 else 1
     ew_bytes += holds_head * n_mb * tokens_mb / cp * w.vocab * 4 * 6 / loss_shards  # fp32 logits: softmax fwd+bwd
-    if fp8_ok:  # dynamic scaling: amax + cast of every linear's inputs (fwd) and output grads (bwd)
-        ew_bytes += tok * L * 9 * (6 * w.dim + w.ffn_hidden)
+    if fp8_ok:  # tensorwise dynamic scaling (torchao), per float8 Linear and microbatch:
+        # its input: amax (read 2) + cast (read 2, write 1) forward and again for grad_weight;
+        # its output gradient: the same once, plus the transposed copy (read 1, write 1);
+        f_in = sum(w.layer_float8_io[i][0] for i in layers)
+        f_out = sum(w.layer_float8_io[i][1] for i in layers)
+        ew_bytes += tok * (10 * f_in + 7 * f_out)
+        # its weight: cast forward and backward, or (float8 all-gather) its local shard, once per gather
+        shards = 1 if not plan.float8_all_gather else plan.dp_shard * cp
+        ew_bytes += n_mb * 2 * 5 * f8_weights / tp / shards
     ew_scale = eff.compile_elementwise if plan.compile else 1.0
     t_ew = ew_bytes * ew_scale / hbm
 
@@ -198,7 +253,8 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     # ---- collectives: every call the plan issues per step (tests/test_tp_comm.py counts them) ----
     colls: list[Collective] = []
 
-    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool, calls: float, kind: str = "") -> None:
+    def add(name: str, nbytes: float, group: int, span: int, overlapped: bool, calls: float, kind: str = "",
+            phase: str = "") -> None:
         if group <= 1 or calls <= 0:
             return
         link, bw = _link(span, hw)
@@ -206,39 +262,49 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         seconds = nbytes / (bw * eff.link) + calls * per_call * latency_stretch
         kind = kind or next(k for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "send/recv")
                             if k in name).replace("-", "_").replace("/", "_")
-        colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls, kind))
+        colls.append(Collective(name, nbytes, group, link, seconds, overlapped, calls, kind, phase))
 
     head = 0 if w.tied_head else w.head
     stage_params = (sum(w.layer_dense[i] + w.layer_norms[i] for i in layers) + w.embedding * holds_embedding
                     + (head + w.other_params) * holds_head)
     stage_experts = sum(w.layer_experts[i] for i in layers)
     moe_blocks = sum(1 for i in layers if w.layer_experts[i])
-    dense_unit = stage_params / tp  # gathered bytes per all-gather of the rank's dense params
+    dense_unit = stage_params / tp  # gathered elements per all-gather of the rank's dense params
     expert_unit = stage_experts / ep  # routed experts: split over EP; not TP-sharded
     efsdp = plan.dp_shard * cp * tp // ep if ep > 1 else fsdp
-    reduces = 1 if pp > 1 else n_mb
     span_fsdp = plan.dp_shard * cp * tp
-    g8 = esize  # bf16 gathers (the float8 all-gather is not searched)
-    if pp > 1:  # PP keeps params gathered (reshard never): one gather per step
-        gathers, gather_calls = 1, fsdp_units
-        ungathered = 0.0
-    else:  # forward and backward, but the norm + head unit stays gathered from forward into backward
-        gathers, gather_calls = 2 * n_mb, n_mb * (2 * fsdp_units - (end_units - 1))
-        ungathered = n_mb * (head / tp + w.dim) if holds_head and end_units == 2 else 0.0
-    add("FSDP all-gather", (gathers * dense_unit - ungathered) * g8 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
-        gather_calls)
+    # bytes gathered per element: the compute dtype, float8 for the float8 Linears' weights under the
+    # float8 all-gather (tensorwise: each shard cast before the gather; parallelisms/float8.py)
+    f8_gathered = f8_weights / tp if plan.float8_all_gather and fp8_ok else 0.0
+    dense_gather = dense_unit * esize - f8_gathered * (esize - 1)
+    # Phases: FSDP gathers a unit ahead of its forward and again ahead of its backward, and
+    # reduce-scatters (HSDP: then all-reduces) each unit's gradient behind the next unit's backward.
+    # Under PP the units stay gathered (one gather per step, in the first microbatch's forward) and
+    # the gradients are reduced once after the last microbatch ("end": nothing left to hide behind).
+    if pp > 1:
+        fwd_gather, fwd_calls, bwd_gather, bwd_calls = dense_gather, fsdp_units, 0.0, 0.0
+        gather_phase, reduce_phase, reduces = "first forward", "end", 1
+    else:  # the norm + head unit stays gathered from forward into backward
+        ungathered = (head / tp + w.dim) * esize if holds_head and end_units == 2 else 0.0
+        fwd_gather, fwd_calls = n_mb * dense_gather, n_mb * fsdp_units
+        bwd_gather, bwd_calls = n_mb * (dense_gather - ungathered), n_mb * (fsdp_units - (end_units - 1))
+        gather_phase, reduce_phase, reduces = "forward", "backward", n_mb
+    for phase, nbytes, calls in ((gather_phase, fwd_gather, fwd_calls), ("backward", bwd_gather, bwd_calls)):
+        add(f"FSDP all-gather ({phase})", nbytes * (fsdp - 1) / fsdp, fsdp, span_fsdp, True, calls, phase=phase)
     add("FSDP reduce-scatter", reduces * dense_unit * 4 * (fsdp - 1) / fsdp, fsdp, span_fsdp, True,
-        reduces * fsdp_units)
+        reduces * fsdp_units, phase=reduce_phase)
     if stage_experts:
-        add("expert FSDP all-gather", gathers * expert_unit * g8 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
-            (2 * n_mb if pp == 1 else 1) * moe_blocks)
+        expert_gathers = (((gather_phase, 1),) if pp > 1 else ((gather_phase, n_mb), ("backward", n_mb)))
+        for phase, n in expert_gathers:
+            add(f"expert FSDP all-gather ({phase})", n * expert_unit * esize * (efsdp - 1) / efsdp, efsdp, span_fsdp,
+                True, n * moe_blocks, phase=phase)
         add("expert FSDP reduce-scatter", reduces * expert_unit * 4 * (efsdp - 1) / efsdp, efsdp, span_fsdp, True,
-            reduces * moe_blocks)
+            reduces * moe_blocks, phase=reduce_phase)
     r = plan.dp_replicate
     if r > 1:
         shard_bytes = 4 * (dense_unit / fsdp + (expert_unit / efsdp if stage_experts else 0))
         add("HSDP all-reduce", reduces * 2 * shard_bytes * (r - 1) / r, r, r * span_fsdp, True,
-            reduces * fsdp_units)
+            reduces * fsdp_units, phase=reduce_phase)
     act = tokens_mb / cp * w.dim * esize  # one microbatch's hidden states on a CP rank (full over TP)
     n_blocks = L
     if tp > 1:  # SP: a gather before attention and the MLP, a reduce-scatter after, forward and backward;
@@ -260,12 +326,19 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     if cp > 1:
         full = plan.ac == "full"  # op AC saves CP's collectives (CP_SAVE_OPS); full re-runs them
         if plan.cp_method == "allgather":  # K and V in one gather forward, their grads reduce-scattered backward
-            kv = tokens_mb * w.kv_width / tp * esize
+            mla = bool(w.layer_kv_up and any(w.layer_kv_up))  # MLA gathers its latent, whole on every TP rank
+            kv = tokens_mb * w.kv_width / (1 if mla else tp) * esize
             add("CP K/V all-gather", n_mb * n_blocks * (1 + full) * kv * (cp - 1) / cp, cp, cp * tp, False,
                 n_mb * n_blocks * (1 + full))
             add("CP K/V reduce-scatter", n_mb * n_blocks * kv * (cp - 1) / cp, cp, cp * tp, False, n_mb * n_blocks)
         else:  # Ulysses: q, k, v in (one all-to-all) and the output back, forward and backward
-            qkvo = tokens_mb / cp * w.qkvo_width / tp * esize
+            width = w.qkvo_width
+            if w.kv_heads:  # GQA: K/V heads repeated until cp divides them (context_parallel.py)
+                from parallelisms.context_parallel import kv_repeat_for_alltoall
+
+                repeat = kv_repeat_for_alltoall(w.n_heads // tp, max(1, w.kv_heads // tp), cp) or 1
+                width += (repeat - 1) * w.kv_width
+            qkvo = tokens_mb / cp * width / tp * esize
             per = 2 + full
             add("CP all-to-all (Ulysses)", n_mb * n_blocks * per * qkvo * (cp - 1) / cp, cp, cp * tp, False,
                 n_mb * n_blocks * per * 2)
@@ -275,9 +348,10 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
         # and the forward's exchange of the split sizes (full AC's recompute exchanges them again)
         add("EP all-to-all", n_mb * moe_blocks * per * rows * (ep - 1) / ep, ep, ep, False,
             n_mb * moe_blocks * (per + (2 if plan.ac == "full" else 1)))
-    if pp > 1:
-        sends = n_mb * plan.stages_per_rank * 2 * act / (tp if tp > 1 else 1)
-        add("PP send/recv", sends, 2, plan.world, True, n_mb * plan.stages_per_rank * 2)
+    if pp > 1:  # activations forward, their gradients backward
+        sends = n_mb * plan.stages_per_rank * act / (tp if tp > 1 else 1)
+        for phase in ("forward", "backward"):
+            add(f"PP send/recv ({phase})", sends, 2, plan.world, True, n_mb * plan.stages_per_rank, phase=phase)
 
     # Per step: the loss and flags; the global token count (data ranks); the gradient norm (one
     # per mesh its gradients are sharded over); MoE loads for the bias update (trainer/train.py)
@@ -285,13 +359,10 @@ def predict(plan: Plan, w: Workload, hw: Hardware, seq_len: int, *, compute_byte
     norm_meshes = (fsdp > 1 or r > 1) + (tp > 1) + (ep > 1 and bool(w.moe_layers)) + (pp > 1)
     add("step all-reduces", 8 * (4 + w.moe_layers * 64), plan.world, plan.world, False,
         1 + (fsdp * r > 1) + norm_meshes + moe_sum, "all_reduce")
+    if plan.float8_all_gather and fp8_ok and sharded:  # precomputed scales: one amax all-reduce per step
+        add("float8 scale all-reduce", 4 * 8 * len(layers), fsdp, span_fsdp, False, 1, "all_reduce")
     serial = sum(c.seconds for c in colls if not c.overlapped)
-    overlappable = sum(c.seconds for c in colls if c.overlapped)
-    first_unit = 0.0
-    if fsdp > 1:
-        per_block_gather = next((c.seconds for c in colls if c.name == "FSDP all-gather"), 0.0) / max(1.0, L * gathers)
-        first_unit = per_block_gather * (1 if pp > 1 else n_mb)
-    exposed_overlap = max(0.0, overlappable - eff.overlap * (compute + t_recompute)) + first_unit
+    exposed_overlap = exposed_overlapped(colls, plan, hw, compute, t_recompute)
     busy = compute + t_recompute + serial
     t_bubble = bubble_fraction(plan) * busy
     local_params = (stage_params / tp / fsdp + (expert_unit / efsdp if stage_experts else 0))

@@ -27,7 +27,7 @@ class Workload:
     embedding: int
     head: int  # output projection elements
     attention_fwd_per_token_per_seq: float  # forward attention FLOPs per token per key (non-causal), all layers
-    kv_width: int  # K and V elements per token per layer that CP's all-gather moves
+    kv_width: int  # K and V elements per token per layer that CP's all-gather moves (MLA: its latent)
     qkvo_width: int  # q, k, v and out elements per token per layer that Ulysses' all-to-alls move
     n_heads: int
     moe_layers: int
@@ -38,6 +38,13 @@ class Workload:
     # A block pass's eager dispatch against the calibration's debug Llama block (CPU entries:
     # measured per model by `workload_of(cfg, hw)`; 1 elsewhere, where dispatch is not modelled).
     block_dispatch_weight: float = 1.0
+    # per block: the 2-D weights float8 converts (every block Linear but the router gate:
+    # parallelisms/float8.py's default filter_fqns) and MLA's K/V up-projection (wkv_b), which
+    # CP's all-gather runs on the whole gathered sequence
+    layer_float8: list = field(default_factory=list)
+    layer_float8_io: list = field(default_factory=list)  # per block: (sum of in, sum of out features)
+    layer_kv_up: list = field(default_factory=list)
+    kv_heads: int = 0  # K/V heads (GQA), for Ulysses' repeat; 0: as many as q heads
 
     @property
     def total_params(self) -> int:
@@ -83,6 +90,7 @@ def _build(cfg) -> Workload:
     n_layers = len(model.layers)
     ids = {k: i for i, k in enumerate(model.layers.keys())}
     dense, experts, norms = [0] * n_layers, [0] * n_layers, [0] * n_layers
+    float8, kv_up, float8_io = [0] * n_layers, [0] * n_layers, [(0, 0)] * n_layers
     embedding = head = other = 0
     ffn = 0
     emb_module, out_module = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
@@ -94,6 +102,10 @@ def _build(cfg) -> Workload:
                 experts[i] += p.numel()
             elif p.dim() == 2:
                 dense[i] += p.numel()
+                if not name.endswith("router.gate.weight"):  # Linear weight [out, in]
+                    float8[i] += p.numel()
+                    float8_io[i] = (float8_io[i][0] + p.shape[1], float8_io[i][1] + p.shape[0])
+                kv_up[i] += p.numel() if name.endswith("attention.wkv_b.weight") else 0
                 if name.endswith(("w1.weight", "w3.weight")):
                     ffn = max(ffn, p.shape[0])
             else:
@@ -116,9 +128,9 @@ def _build(cfg) -> Workload:
     n_params = sum(p.numel() for p in model.parameters())
     attn = (fpt(2, n_params, embedding) - fpt(1, n_params, embedding)) / 3.0  # forward, per key
     dim, n_heads = args.dim, args.n_heads
-    if hasattr(args, "kv_lora_rank"):  # MLA: K and V after the up-projection, per head
+    if hasattr(args, "kv_lora_rank"):  # MLA: CP gathers the latent (kv_latent); q, k, v, o per head
         head_qk = args.qk_nope_head_dim + args.qk_rope_head_dim
-        kv_width = n_heads * (head_qk + args.v_head_dim)
+        kv_width = args.kv_lora_rank + args.qk_rope_head_dim
         qkvo = n_heads * (2 * head_qk + 2 * args.v_head_dim)
     else:
         head_dim = getattr(args, "head_dim", None) or dim // n_heads
@@ -130,4 +142,5 @@ def _build(cfg) -> Workload:
                     embedding=embedding, head=head, attention_fwd_per_token_per_seq=attn, kv_width=kv_width,
                     qkvo_width=qkvo, n_heads=n_heads, moe_layers=sum(1 for e in experts if e), top_k=top_k,
                     flops_per_token=lambda s, fpt=fpt, n=n_params, e=embedding: float(fpt(s, n, e)), tied_head=tied,
-                    other_params=other)
+                    other_params=other, layer_float8=float8, layer_float8_io=float8_io, layer_kv_up=kv_up,
+                    kv_heads=0 if hasattr(args, "kv_lora_rank") else (getattr(args, "n_kv_heads", None) or n_heads))

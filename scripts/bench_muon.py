@@ -117,10 +117,9 @@ def bytes_table(args) -> None:
     g, tp, elem = args.ranks, args.tp, 2  # bf16 updates (NS's precision on GPU)
     muon_b = sum(p.numel() for p in muon) * elem / tp  # per TP rank: the FSDP group's share
     all_b = (sum(p.numel() for p in muon) + sum(p.numel() for p in adamw)) * elem / tp
-    # Each matrix is sharded over the FSDP ranks (x TP): a rank holds 1 / (g tp) and the two
-    # all-to-alls send (G - 1) / G of it each, G = g * tp ranks being gathered.
-    G = g * tp
-    muon_sent = 2 * (muon_b / g) * (G - 1) / G
+    # Each matrix is sharded over the FSDP ranks (x TP): a rank holds 1 / (g tp) of the updates,
+    # and each mesh dim undone is one all-to-all each way sending (size - 1) / size of it.
+    muon_sent = 2 * (muon_b / g) * ((g - 1) / g + (tp - 1) / tp)
     # FSDP: all-gather in forward and again in backward, reduce-scatter of grads, in the param dtype (bf16)
     fsdp_sent = 3 * all_b * (g - 1) / g
     gib = 2 ** 30
@@ -129,7 +128,12 @@ def bytes_table(args) -> None:
     print("| traffic per rank per step | GiB | vs FSDP |")
     print("|---|---|---|")
     print(f"| FSDP: 2 all-gathers + 1 reduce-scatter, bf16 | {fsdp_sent / gib:.2f} | 1.00 |")
-    print(f"| Muon assembly: 2 all-to-alls of the bf16 updates | {muon_sent / gib:.2f} | {muon_sent / fsdp_sent:.3f} |")
+    print(f"| Muon assembly: all-to-alls of the bf16 updates, 2 per mesh dim | {muon_sent / gib:.2f} | {muon_sent / fsdp_sent:.3f} |")
+    from trainer.muon import ns_flops
+
+    ns = sum(ns_flops(*p.shape[-2:]) * (p.numel() // p.shape[-2:].numel()) for p in muon)
+    print(f"\nNewton-Schulz (5 iterations) per step: {ns / 1e12:.1f} TFLOP for the model, each matrix on one of "
+          f"the {g * tp} ranks sharding it: about {ns / (g * tp) / 1e12:.1f} TFLOP per rank")
 
 
 def main() -> int:

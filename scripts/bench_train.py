@@ -3,6 +3,7 @@
     python scripts/bench_train.py                          # debug model, seq 256, batch 2, fp32, 1 rank, 3 rounds
     python scripts/bench_train.py --rounds 3 --threads 1,2 # the same at 1 and at 2 threads (one table pair each)
     python scripts/bench_train.py --rounds 5 --steps 40 -- --training.seq_len 512 --training.local_batch_size 4
+    python scripts/bench_train.py --fsdp1 -- --training.mixed_precision_on_cpu true  # FSDP2 bf16 params, as on GPUs
 
 Both loops train the same model shape on the same kind of batches with the same optimizer and
 clipping; the bare loop is what a user would write by hand (forward, cross entropy, backward, clip,
@@ -12,6 +13,11 @@ runs step 1 of each kind, step 2 of each kind, ... (the order rotating every ste
 spike of a shared machine hits all kinds alike. The overhead is the median over all steps of
 trainer / bare of the same step index (paired neighbours), checked against 3%; per-round values
 show whether rounds agree. Memory per AC mode: scripts/bench_activation_checkpoint.py.
+
+Precision as on a GPU: `-- --training.mixed_precision_on_cpu true` computes in bf16, under
+autocast on one rank (what one GPU runs); add `--fsdp1` for FSDP2 over a one-rank mesh
+instead, whose MixedPrecisionPolicy gathers bf16 params (what every multi-GPU run computes
+in). The bare loop stays fp32 without FSDP: read the AC table then, not "vs bare".
 
 The AC table gives, per mode, its cost over `none` (the trainer without AC: median of the paired
 step ratios, as above) against its target: the mode's recompute share plus 5 points. The share
@@ -127,6 +133,19 @@ def step_flops(step) -> int:
     return counter.get_total_flops()
 
 
+def one_rank_fsdp() -> None:
+    """A gloo world of one, on which the trainer applies FSDP2 over a one-rank "dp_shard" mesh
+    (gpu_check's stand-in for a multi-GPU run's mixed precision)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gpu_check.dist_checks import _install_one_rank_fsdp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _install_one_rank_fsdp()
+
+
 def kinds() -> list[str]:
     from parallelisms.activation_checkpoint import AC_MODES
 
@@ -142,6 +161,8 @@ def main() -> None:
                         help="comma-separated thread counts, one set of rounds each (default: OMP_NUM_THREADS "
                              "or every core), e.g. 1,2")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fsdp1", action="store_true",
+                        help="the trainer's kinds run FSDP2 over a one-rank gloo mesh (its mixed precision)")
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     overrides = ["--training.seq_len", "256", "--training.local_batch_size", "2"] + overrides
@@ -150,6 +171,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if args.fsdp1:
+            one_rank_fsdp()
         print("RESULT " + json.dumps(run_round(names, overrides, args.steps, args.warmup)))
         return
     default = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
@@ -158,7 +181,8 @@ def main() -> None:
         rounds = []
         for _ in range(args.rounds):
             proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--warmup",
-                                   str(args.warmup), *overrides], capture_output=True, text=True, env=env, cwd=REPO)
+                                   str(args.warmup), *(["--fsdp1"] if args.fsdp1 else []), *overrides],
+                                  capture_output=True, text=True, env=env, cwd=REPO)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"round failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -173,8 +197,8 @@ def paired(rounds: list[dict], kind: str, base: str, clock: str = "times") -> li
 
 
 def print_tables(names: list[str], rounds: list[dict], overrides: list[str], args, threads: str) -> None:
-    print(f"overrides: {' '.join(overrides)}; {args.steps} steps ({args.warmup} warm-up) x {args.rounds} rounds, "
-          f"interleaved step by step; OMP_NUM_THREADS={threads}")
+    print(f"overrides: {' '.join(overrides)}{' (trainer: FSDP2, one rank)' if args.fsdp1 else ''}; {args.steps} "
+          f"steps ({args.warmup} warm-up) x {args.rounds} rounds, interleaved step by step; OMP_NUM_THREADS={threads}")
     print("| loop | median s/step | per-round medians | tokens/s | vs bare |")
     print("|---|---|---|---|---|")
     for kind in names:

@@ -111,3 +111,38 @@ def train_against_none(base, mode: str, batches, *, before=None, after_forward=N
         assert grads_ref.keys() == grads.keys()
         assert torch.equal(loss_ref, loss) and all(torch.equal(grads_ref[n], grads[n]) for n in grads_ref)
     return policy, model
+
+
+def count_direct_paths(set_attr=setattr, held: list | None = None):
+    """A Counter bumped by each rebuild of a direct recompute ("rebuilds") and each block that
+    torch's checkpoint re-runs ("reruns"), through patches made with `set_attr` (a test's
+    `monkeypatch.setattr`, or plain setattr in a worker). With `held`, each direct call whose
+    forward ended appends the tensors it holds then (its packs and the arguments it took)."""
+    import collections
+
+    from torch.utils import checkpoint as torch_checkpoint
+
+    from parallelisms.ac_direct import _DirectCall
+
+    count = collections.Counter()
+    rebuild, rerun, exit_ = _DirectCall._rebuild, torch_checkpoint._run_fn_with_dynamo_disabled, _DirectCall.__exit__
+
+    def counted_rebuild(self):
+        count["rebuilds"] += 1
+        return rebuild(self)
+
+    def counted_rerun(fn, *args):
+        count["reruns"] += 1
+        return rerun(fn, *args)
+
+    def noted_exit(self, *exc):
+        slots = self.slots
+        out = exit_(self, *exc)
+        held.append([s.x for s in slots if s.x is not None] + [x for x, _ in (self.args or {}).values()])
+        return out
+
+    set_attr(_DirectCall, "_rebuild", counted_rebuild)
+    set_attr(torch_checkpoint, "_run_fn_with_dynamo_disabled", counted_rerun)
+    if held is not None:
+        set_attr(_DirectCall, "__exit__", noted_exit)
+    return count

@@ -129,7 +129,7 @@ class _Nonzero(nn.Module):
 def test_full_keeps_torchs_checkpoint_for_data_dependent_ops_and_under_compile(block_reruns, full_calls):
     """A block with `nonzero` gets no direct recompute (its rows come from data), even when
     the recorded calls agree; under compile the wrapper is torch's plain checkpoint."""
-    from parallelisms.ac_full import data_dependent_step
+    from parallelisms.ac_direct import data_dependent_step
     torch.manual_seed(0)
     block = _Nonzero()
     policy = FullAC(ActivationCheckpointConfig(mode="full"))
@@ -140,7 +140,7 @@ def test_full_keeps_torchs_checkpoint_for_data_dependent_ops_and_under_compile(b
         _assert_equal(_grads(block, (x,)), _grads(block, (x,), kwargs))
         assert block_reruns["reruns"] == 1 and not full_calls
     plan = next(iter(policy.plans.values()))
-    assert plan.direct is not None and plan.full_direct is None
+    assert plan.direct is None and plan.full_direct is None  # (refused for every mode: ac_direct.build_direct)
     assert data_dependent_step(plan.source) == "aten.nonzero.default"
     compiled = FullAC(ActivationCheckpointConfig(mode="full"))
     compiled.compile_enabled = True

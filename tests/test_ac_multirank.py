@@ -1,8 +1,11 @@
 """Every AC mode under 2-rank FSDP2 (gloo, CPU) matches a 1-process run within 1e-5.
 
 One spawn runs all the modes (each process pays ~5 s to import torch), a dense Llama
-and a MoE DeepSeek, for 2 optimizer steps each. Rank 0 writes the losses and the full
+and a MoE DeepSeek, for 3 optimizer steps each. Rank 0 writes the losses and the full
 (unsharded) gradients; the test compares them with an unsharded, un-checkpointed run.
+The same spawn runs Llama under FSDP2's bf16 mixed precision (bf16 params, fp32 reduce:
+what every multi-GPU run gets), where `op` and `full` must take the direct recompute from
+step 3 and equal `none` under the same precision bitwise.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ WORLD = 2
 STEPS = 3
 CASES = [("llama3", "none"), ("llama3", "full"), ("llama3", "selective"), ("llama3", "op"),
          ("deepseek_v3", "full"), ("deepseek_v3", "op")]
+BF16_CASES = [("llama3", "none", "bf16"), ("llama3", "op", "bf16"), ("llama3", "full", "bf16")]
 
 
 def _build(name: str):
@@ -45,13 +49,20 @@ def _batches():
             for _ in range(STEPS)]
 
 
-def _train(model, batches, rows=slice(None)):
+def _train(model, batches, rows=slice(None), paths=None, per_step=None):
+    """Loss and full gradients per step. With `paths` (`ac_helpers.count_direct_paths`:
+    "rebuilds" of a direct recompute, "reruns" of a block by torch's checkpoint), each step's
+    counts are appended to `per_step`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for tokens, labels in batches:
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(tokens[rows]).flatten(0, 1), labels[rows].flatten())
+        if paths is not None:
+            paths.clear()
+        loss = F.cross_entropy(model(tokens[rows]).flatten(0, 1).float(), labels[rows].flatten())
         loss.backward()
+        if paths is not None:
+            per_step.append((paths["rebuilds"], paths["reruns"]))
         grads = {}
         for n, p in model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -66,9 +77,10 @@ def _worker(rank: int, port: int, out_path: str):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from parallelisms.activation_checkpoint import ActivationCheckpointConfig, apply_activation_checkpointing
+    from tests.ac_helpers import count_direct_paths
     from trainer.distributed import exit_process
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -76,18 +88,23 @@ def _worker(rank: int, port: int, out_path: str):
         mesh = init_device_mesh("cpu", (WORLD,))
         batches = _batches()
         results = {}
-        for name, mode in CASES:
+        paths = count_direct_paths()
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for name, mode, *precision in CASES + BF16_CASES:
             model, spec = _build(name)
             apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode), spec=spec)
+            mp_policy = bf16 if precision else MixedPrecisionPolicy()
             for block in model.layers.values():
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            run = _train(model, batches, rows=slice(2 * rank, 2 * rank + 2))
+                fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            per_step: list = []
+            run = _train(model, batches, rows=slice(2 * rank, 2 * rank + 2), paths=paths, per_step=per_step)
             # Each rank's loss is its local mean; the global mean is their average.
             for loss, _ in run:
                 dist.all_reduce(loss)
                 loss /= WORLD
-            results[(name, mode)] = run
+            results[(name, mode, *precision)] = run
+            results[("paths", name, mode, *precision)] = per_step
         if rank == 0:
             torch.save(results, out_path)
     finally:
@@ -95,10 +112,11 @@ def _worker(rank: int, port: int, out_path: str):
     exit_process(0)
 
 
-@pytest.mark.multirank
-@pytest.mark.timeout(240)
-def test_every_mode_under_fsdp2_matches_one_process(tmp_path):
-    out_path = str(tmp_path / "ranks.pt")
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory):
+    """What rank 0 of the 2-rank spawn wrote: per case its (loss, gradients) per step, and
+    under ("paths", *case) its (direct rebuilds, torch's checkpoint re-runs) per step."""
+    out_path = str(tmp_path_factory.mktemp("fsdp2") / "ranks.pt")
     ctx = mp.start_processes(_worker, args=(free_port(), out_path), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 200
     try:
@@ -109,8 +127,13 @@ def test_every_mode_under_fsdp2_matches_one_process(tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
-    got = torch.load(out_path)
+    return torch.load(out_path)
 
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_every_mode_under_fsdp2_matches_one_process(fsdp2_runs):
+    got = {case: run for case, run in fsdp2_runs.items() if case in CASES}
     batches = _batches()
     refs = {name: _train(_build(name)[0], batches) for name in {n for n, _ in CASES}}
     for (name, mode), run in got.items():
@@ -122,6 +145,32 @@ def test_every_mode_under_fsdp2_matches_one_process(tmp_path):
                 torch.testing.assert_close(g_got[k], g_ref[k], rtol=0, atol=1e-5, msg=f"{name} {mode} step {step} {k}")
     # And the modes agree with each other (the checkpointing changed nothing).
     assert set(got) == set(CASES)
+    # Llama's `op` and `full` blocks take the direct recompute from step 3 (calls 1 and 2 record
+    # the block and build it; torch's checkpoint re-runs each block then).
+    for mode in ("op", "full"):
+        assert fsdp2_runs[("paths", "llama3", mode)] == [(0, 3), (0, 3), (3, 0)], mode
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_bf16_fsdp2_blocks_take_the_direct_recompute_bitwise(fsdp2_runs):
+    """FSDP2 with bf16 params and fp32 reduce (every multi-GPU run's default): the residual
+    stream entering a block is bf16, and only RMSNorm's `x.float()` and the residual add read
+    it, neither of which packs it. The direct recompute was refused then ("a needed tensor is
+    neither made in the block nor packed"), and every `op` block ran torch's checkpoint
+    recompute; now its steps read the block's argument. From step 3 each of the 3 blocks
+    rebuilds directly and torch's checkpoint re-runs none, and every step's loss and gradients
+    equal `none`'s under the same precision bitwise."""
+    ref = fsdp2_runs[("llama3", "none", "bf16")]
+    assert fsdp2_runs[("paths", "llama3", "none", "bf16")] == [(0, 0)] * STEPS
+    for mode in ("op", "full"):
+        run = fsdp2_runs[("llama3", mode, "bf16")]
+        assert fsdp2_runs[("paths", "llama3", mode, "bf16")] == [(0, 3), (0, 3), (3, 0)], mode
+        for step, ((l_ref, g_ref), (l_got, g_got)) in enumerate(zip(ref, run, strict=True)):
+            assert torch.equal(l_ref, l_got), (mode, step)
+            assert g_ref.keys() == g_got.keys() and g_ref["tok_embeddings.weight"].dtype == torch.float32
+            for k in g_ref:
+                assert torch.equal(g_got[k], g_ref[k]), (mode, step, k)
 
 
 # --------------------------------------------------------------------------- 4 ranks: FSDP inside

@@ -1,5 +1,5 @@
 """CUDA-only code paths, checked on CPU where the decision is made in Python: NCCL's eager
-start-up with device_id; the host reads of an EP MoE step (which sync a GPU); async checkpoint
+start-up with device_id, and gloo beside it under fsdp_cpu_offload; the host reads of an EP MoE step (which sync a GPU); async checkpoint
 staging into cached host buffers; compiled CP attention without a mask."""
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ def test_nccl_starts_eagerly_with_device_id(monkeypatch):
     calls.clear()
     assert distributed.init_distributed(torch.device("cpu"), 30) == "gloo"
     assert calls == [("init", {"backend": "gloo", "timeout": calls[0][1]["timeout"]})]  # gloo: no device_id
+    calls.clear()
+    # fsdp_cpu_offload: sharded state on the host, so every group carries gloo for CPU tensors
+    # (clipping's norm, Muon's assembly); NCCL alone would refuse them at the first collective.
+    assert distributed.init_distributed(cuda, 30, cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert calls[1][1]["backend"] == "cuda:nccl,cpu:gloo" and calls[1][1]["device_id"] == cuda
 
 
 def test_expert_parallel_reads_the_host_once_per_moe_layer_and_never_in_the_recompute():

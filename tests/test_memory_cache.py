@@ -57,6 +57,9 @@ def test_fast_path_equals_full_estimator_deepseek_pp_ep():
     groups = [
         (4, [_argv(ds, pp=2, dp=2, ep=2, ac="full", lb=2, mb=1), _argv(ds, pp=2, dp=2, ep=2, ac="full", lb=4, mb=2)]),
         (8, [_argv(ds, pp=4, dp=2, ep=2, ac="full", lb=4, mb=1)]),  # probes shared with PP 2, params not
+        # Muon's terms read each matrix by name: a middle rank's, summed from other stages' readings
+        (8, [_argv(ds, pp=4, dp=2, ep=2, ac="full", lb=4, mb=1,
+                   extra=["--optimizer.name", "muon", "--optimizer.muon_params", "layers.2.*,layers.3.moe.*"])]),
         (8, [_argv(ds, pp=2, rep=2, dp=2, ep=2, ac="full", lb=2, mb=1)]),  # HSDP: EP's probes differ
         (4, [_argv(ds, pp=2, sched="Interleaved1F1B", spr=2, dp=2, ep=2, ac="op", lb=2)]),
         # One batch with the EP-skewed probe, one without (per-item skew; budget: fresh assemblies).

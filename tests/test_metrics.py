@@ -57,6 +57,25 @@ def test_mfu_in_torchtitan_convention_and_causal(monkeypatch, tmp_path):
     assert rec["mfu_causal_pct"] == pytest.approx(100 * 9.5 * attn * tps / 1e12)  # attention halved
 
 
+def test_each_record_reports_its_own_window_peak_memory(monkeypatch, tmp_path):
+    """On CUDA a record's memory/max_* figures are the peaks since the previous record (the
+    peak stats are reset after each), not the largest since the start (the first step's
+    compile and allocator warm-up would hide every later change)."""
+    peaks = {"allocated": 0, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peaks.update(allocated=0, reserved=0))
+    monkeypatch.setattr(metrics, "device_peak_flops", lambda device: None)
+    log = MetricsLogger(MetricsConfig(enable_tensorboard=False), str(tmp_path), enabled=False,
+                        device=torch.device("cuda", 0), flops_per_token=1.0, non_data_parallel_size=1)
+    got = []
+    for allocated in (8 * 2**30, 3 * 2**30):  # the first window's peak (compile) is higher
+        peaks.update(allocated=max(peaks["allocated"], allocated), reserved=max(peaks["reserved"], 2 * allocated))
+        got.append(log.record(len(got) + 1, loss=1.0, grad_norm=1.0, lr=1e-3))
+    assert [r["memory/max_allocated_gib"] for r in got] == [8.0, 3.0]
+    assert [r["memory/max_reserved_gib"] for r in got] == [16.0, 6.0]
+
+
 def test_deepseek_attention_term():
     from models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 

@@ -127,6 +127,24 @@ def test_unknown_optimizer_and_empty_rule_are_one_line_config_errors():
     # Through ./run_train.sh (one line, exit 2, no traceback): tests/test_bad_inputs.py.
 
 
+def test_muon_params_are_checked_over_the_whole_model_not_one_stage():
+    """Under PP a stage holds some blocks: a pattern matching only another stage's parameters
+    is fine, one matching nothing in the whole model is still a one-line error. (End to end,
+    PP 2 with one pattern per stage: `muon_pp2_split_patterns` in tests/test_muon_layouts.py.)"""
+    cfg, stage0 = _meta_model("llama3", "debug_small", "--optimizer.name", "muon", "--optimizer.muon_params",
+                              "layers.0.*,layers.2.*")
+    whole = list(stage0.named_parameters())
+    del stage0.layers["2"]  # this stage: blocks 0 and 1
+    opt = build_optimizer(stage0, cfg.optimizer, "cpu", whole_model=whole)
+    muon = [p for g in opt.param_groups if g["muon"] for p in g["params"]]
+    assert muon and all(any(p is q for q in stage0.layers["0"].parameters()) for p in muon)
+    with pytest.raises(ConfigError, match=r"'layers\.2\.\*' matches no"):  # this part alone
+        build_optimizer(stage0, cfg.optimizer, "cpu")
+    cfg.optimizer.muon_params = ["layers.0.*", "layers.7.*"]
+    with pytest.raises(ConfigError, match=r"'layers\.7\.\*' matches no"):
+        build_optimizer(stage0, cfg.optimizer, "cpu", whole_model=whole)
+
+
 def test_training_with_muon_lowers_the_loss(tmp_path):
     losses, trainer = run_in_process(TINY + ["--training.steps", "12", "--optimizer.name", "muon",
                                              "--optimizer.lr", "3e-3", "--job.dump_folder", str(tmp_path)])

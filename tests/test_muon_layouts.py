@@ -2,8 +2,12 @@
 
 FSDP 2, TP 2, EP 2 (DeepSeek debug and Qwen3 MoE debug: experts whole on each rank, so
 each expert's matrices are orthogonalised where they live) and PP 2 in one 2-rank
-torchrun launch, FSDP 2 x TP 2 in a 4-rank one, against one-rank references: 5 steps
-in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
+torchrun launch, with FSDP 2 under fsdp_cpu_offload and PP 2 whose `muon_params` patterns
+each match one stage's blocks only (checked over the whole model, not per stage), and Qwen3
+MoE under EP 2 with the balance loss pooled over its layers (the pick counts summed over
+the data ranks: one rank's loss and gradients); FSDP 2 x TP 2 (Llama, and DeepSeek: MLA's
+and the experts' TP plans) and HSDP 2 x 2 in a 4-rank one; against one-rank references: 5
+steps in fp32 from one seed checkpoint, gradient clipping active (max_norm 0.3), losses,
 last-step grads and post-step params within 1e-5 (tests/test_parallel_layouts.py's
 measures). FSDP and TP shard the hidden matrices, so these pass only if every matrix is
 orthogonalised whole (parallelisms/muon_assembly.py): NS of a shard is not a shard of NS.
@@ -30,6 +34,10 @@ MUON = ["--training.steps", str(STEPS), "--optimizer.name", "muon", "--optimizer
 LB, TP, EP = "--training.local_batch_size", "--parallelism.tensor_parallel_degree", \
     "--parallelism.expert_parallel_degree"
 
+# Each pattern matches blocks of one PP stage only (debug_small: 3 blocks over 2 stages).
+SPLIT = ["--optimizer.muon_params", "layers.0.*,layers.2.*"]
+# HF's balance loss, one over every MoE layer (models/common/moe_pool.py), at a weight that moves the routers.
+POOLED = ["--moe.aux_loss_scope", "model", "--moe.aux_loss_coeff", "0.5"]
 # name -> (world, flavor, extra args); local_batch_size x dp = 4 everywhere.
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_fsdp2": (2, "debug_small", [LB, "2", "--checkpoint.interval", "3"]),
@@ -38,7 +46,14 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "muon_ep2_qwen3_moe": (2, "qwen3_moe", [LB, "2", EP, "2"]),
     "muon_pp2": (2, "debug_small", [LB, "4", *PP2]),
     "muon_fsdp2_tp2": (4, "debug_small", [LB, "2", TP, "2"]),
+    "muon_fsdp2_tp2_deepseek": (4, "ds_debug", [LB, "2", TP, "2"]),  # MLA's and the experts' TP plans
+    "muon_hsdp2x2": (4, "debug_small", [LB, "1", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "muon_fsdp2_offload": (2, "debug_small", [LB, "2", "--parallelism.fsdp_cpu_offload", "true"]),
+    "muon_pp2_split_patterns": (2, "debug_small", [LB, "4", *PP2, *SPLIT]),
+    "muon_ep2_qwen3_moe_pooled": (2, "qwen3_moe", [LB, "2", EP, "2", *POOLED]),
 }
+# A layout's reference runs with these args too (default: none).
+REF_ARGS = {"muon_pp2_split_patterns": SPLIT, "muon_ep2_qwen3_moe_pooled": POOLED}
 # name -> (world, layout resumed from its step-3 checkpoint, the new layout's args)
 RESUMES: dict[str, tuple[int, str, list[str]]] = {
     "muon_resume_fsdp2": (2, "muon_fsdp2", LAYOUTS["muon_fsdp2"][2]),
@@ -47,6 +62,10 @@ RESUMES: dict[str, tuple[int, str, list[str]]] = {
 REPORT: list[str] = []
 # Qwen3 MoE debug: 8 softmax-routed experts top 2, no shared expert, one dense block first.
 FLAVORS = {**MODELS, "qwen3_moe": ("qwen3", "debug_moe")}
+
+
+def _ref_key(name: str) -> tuple[str, tuple[str, ...]]:
+    return LAYOUTS[name][1], tuple(REF_ARGS.get(name, ()))
 
 
 def _args(root, name: str, flavor: str, extra: list[str]) -> list[str]:
@@ -59,11 +78,12 @@ def muon_runs(tmp_path_factory):
     flavors = sorted({flavor for _, flavor, _ in LAYOUTS.values()})
     write_seed_checkpoints(root, flavors, FLAVORS)
     refs = {}
-    for flavor in flavors:
-        losses, trainer = run_in_process(_args(root, f"ref_{flavor}", flavor, [LB, "4"]))
+    for k, (flavor, ref_args) in enumerate(sorted({_ref_key(n) for n in LAYOUTS})):
+        losses, trainer = run_in_process(_args(root, f"ref{k}_{flavor}", flavor, [LB, "4", *ref_args]))
         part = trainer.model_parts[0]
-        refs[flavor] = {"losses": losses, "params": {n: p.detach().clone() for n, p in part.named_parameters()},
-                        "grads": {n: p.grad.detach().clone() for n, p in part.named_parameters()}}
+        refs[flavor, ref_args] = {"losses": losses,
+                                  "params": {n: p.detach().clone() for n, p in part.named_parameters()},
+                                  "grads": {n: p.grad.detach().clone() for n, p in part.named_parameters()}}
     results = {}
     for world in (2, 4):
         cases = [{"name": n, "args": _args(root, n, fl, extra)} for n, (w, fl, extra) in LAYOUTS.items()
@@ -80,9 +100,9 @@ def muon_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_muon_layout_matches_one_rank(name, muon_runs):
     refs, results = muon_runs
-    world, flavor, _ = LAYOUTS[name]
+    world = LAYOUTS[name][0]
     assert len(results[name]["losses"]) == STEPS
-    compare_to_reference(name, world, results[name], refs[flavor], REPORT)
+    compare_to_reference(name, world, results[name], refs[_ref_key(name)], REPORT)
 
 
 @pytest.mark.timeout(900)
@@ -94,7 +114,7 @@ def test_muon_resume_is_bitwise_and_reshards(muon_runs):
         assert set(same[key]) == set(full[key])
         for n, t in full[key].items():
             assert torch.equal(same[key][n], t), (key, n)
-    got, ref = results["muon_dcp_fsdp2_to_tp2"], dict(refs["debug_small"])
+    got, ref = results["muon_dcp_fsdp2_to_tp2"], dict(refs["debug_small", ()])
     ref["losses"] = ref["losses"][3:]
     assert loss_rel(got["losses"], ref["losses"]) <= 1e-5
     assert max_rel(got["grads"], ref["grads"]) <= 1e-5

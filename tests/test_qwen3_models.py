@@ -219,7 +219,7 @@ def test_args_config_roundtrip(flavor):
 # --------------------------------------------------------------------------- activation checkpointing
 
 
-def _tiny(moe: bool):
+def _tiny(moe: bool, **changes):
     import dataclasses
 
     from parallelisms.param_init import layout_independent_init
@@ -227,20 +227,24 @@ def _tiny(moe: bool):
     spec = get_model_spec("qwen3")
     args = dataclasses.replace(spec.flavors["debug_moe" if moe else "debug"], dim=64, n_heads=4, n_kv_heads=2,
                                head_dim=24, ffn_hidden_dim=96, moe_inter_dim=32, n_layers=3, vocab_size=256,
-                               max_seq_len=64)
+                               max_seq_len=64, **changes)
     model = spec.model_cls(args)
     layout_independent_init([model], seed=0, buffer_device=torch.device("cpu"))
     return spec, model
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("moe", [False, True], ids=["dense_tied", "moe"])
-def test_every_ac_mode_is_bitwise_equal_to_none(moe):
+@pytest.mark.parametrize("moe,changes", [(False, {}), (True, {}),
+                                         (True, {"aux_loss_scope": "model", "aux_loss_coeff": 0.5})],
+                         ids=["dense_tied", "moe", "moe_pooled_balance_loss"])
+def test_every_ac_mode_is_bitwise_equal_to_none(moe, changes):
     """none / full / selective / op / budget (with this spec's MoE op policy) give the same
-    losses and grads, bitwise in fp32, over 2 steps; the tied head stays one parameter."""
+    losses and grads, bitwise in fp32, over 2 steps; the tied head stays one parameter. The
+    balance loss pooled over the layers (its gradient computed in backward from the forward's
+    counts) too: a recompute in backward adds no counts."""
     from tests.ac_helpers import assert_bitwise, run_mode
 
-    spec, base = _tiny(moe)
+    spec, base = _tiny(moe, **changes)
     assert (base.output.weight is base.tok_embeddings.weight) == (not moe)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
@@ -271,3 +275,127 @@ def test_batch_balance_loss_is_hf_switch_loss_over_top_k():
     # MoE's default normalisation is 1 / sequences of this forward, times bsz for "batch": one mean.
     assert torch.allclose(layer.aux_loss, hf / 2, rtol=1e-5, atol=0), (layer.aux_loss, hf)
     assert layer.aux_loss > 1.0  # this router is unbalanced: the loss sees it
+
+
+def _with_router_loss(folder: Path, on: bool, coef: float = 0.02) -> Path:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(output_router_logits=on, router_aux_loss_coef=coef)
+    path.write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def test_imported_balance_loss_is_transformers_load_balancing_over_all_layers(tmp_path):
+    """A transformers Qwen3-MoE (5 blocks: one dense, 4 MoE) with output_router_logits and
+    router_aux_loss_coef 0.02 imports as aux_loss_scope "model", coefficient 0.02: one forward's
+    balance loss equals 0.02 x transformers' own load_balancing_loss_func over the 4 layers'
+    router logits, and so do the router gradients of every layer (rel 1e-5). The per-layer
+    scope sums 4 losses, each 1 when balanced: 4 / top_k times HF's at equal loads, and other
+    gradients. Exported, the coefficient reads back; output_router_logits false imports with
+    no balance loss, and the trainer's log line says so."""
+    from models.qwen3.state_dict_adapter import balance_note
+    from tests.hf_builders import load_hf_model
+
+    folder = _with_router_loss(build_hf_qwen3(tmp_path / "moe", moe=True, layers=5), True)
+    tokens = tokens_for(256, shape=(2, 24))
+    hf = load_hf_model(folder).train()
+    out = hf(tokens, output_router_logits=True)
+    (0.02 * out.aux_loss).backward()
+    hf_grads = {i: hf.model.layers[i].mlp.gate.weight.grad for i in range(1, 5)}
+
+    _, args = model_from_hf_folder(folder)
+    assert (args.aux_loss_scope, args.aux_loss_coeff, args.n_moe_layers) == ("model", 0.02, 4)
+
+    def ours(scope: str):
+        model = our_model_from_hf(folder)
+        moes = [layer.moe for layer in model.layers.values() if getattr(layer, "moe", None) is not None]
+        for moe in moes:
+            moe.args.aux_loss_scope = scope
+        model.train()
+        (model(tokens) * 0).sum().backward()  # only the balance loss reaches the routers
+        loss = sum(moe.aux_loss for moe in moes)
+        return loss, {i: model.layers[str(i)].moe.router.gate.weight.grad for i in range(1, 5)}
+
+    loss, grads = ours("model")
+    assert torch.allclose(loss, 0.02 * out.aux_loss.detach(), rtol=1e-5, atol=0), (loss, out.aux_loss)
+    for i in range(1, 5):
+        rel = (grads[i] - hf_grads[i]).norm() / hf_grads[i].norm()
+        assert rel < 1e-5, (i, rel.item())
+    per_layer, per_layer_grads = ours("batch")
+    assert abs(per_layer / loss - 4 / 2) < 0.5  # about L / top_k x HF's, not equal
+    assert max((per_layer_grads[i] - hf_grads[i]).norm() / hf_grads[i].norm() for i in range(1, 5)) > 0.1
+
+    exported = get_model_spec("qwen3").state_dict_adapter(args).hf_config()
+    assert exported["output_router_logits"] is True and exported["router_aux_loss_coef"] == 0.02
+    assert "HF's load_balancing_loss_func, one loss over all 4 MoE layers, coefficient 0.02" in \
+        balance_note(args, json.loads((folder / "config.json").read_text()))
+
+    _with_router_loss(folder, False)  # as the released Qwen3-30B-A3B config.json has it
+    _, off = model_from_hf_folder(folder)
+    assert off.aux_loss_coeff == 0.0
+    note = balance_note(off, json.loads((folder / "config.json").read_text()))
+    assert note.startswith("MoE balancing: no balance loss (config.json: output_router_logits false") and \
+        "--moe.aux_loss_coeff 0.001" in note and "\n" not in note
+
+
+def test_pooled_balance_loss_under_torch_checkpoint_recompute():
+    """torch's own checkpoint (which the AC modes fall back to) re-runs each block's forward in
+    backward: the pooled loss's recompute must add no counts to any forward's pool, so the
+    router gradients equal the run without checkpointing, bitwise (before the pool closed with
+    its forward, a recompute counted its layer twice and the gradients moved)."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    spec, base = _tiny(True, aux_loss_scope="model", aux_loss_coeff=0.5)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def router_grads(recompute: bool):
+        model = copy.deepcopy(base).train()
+        if recompute:
+            for block in model.layers.values():
+                block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+        for _ in range(2):  # the second forward's pool must not see the first's recompute either
+            model.zero_grad()
+            with set_checkpoint_early_stop(False):  # recompute the whole block (early stop ends before the loss)
+                model(tokens).square().mean().backward()
+        return [m.router.gate.weight.grad for m in model.modules() if hasattr(m, "router")]
+
+    plain, recomputed = router_grads(False), router_grads(True)
+    assert len(plain) == 2 and all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+
+
+@pytest.mark.timeout(300)
+def test_pooled_balance_loss_compiled_blocks_equal_eager():
+    """A MoE block under torch.compile: the pooled loss runs outside the compiled graph (its
+    backward reads the forward's pool when it runs; traced, the router gradients were 2x off),
+    so the router gradients equal eager's within 1e-6."""
+    import copy
+
+    spec, base = _tiny(True, aux_loss_scope="model", aux_loss_coeff=0.5)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def router_grads(compiled: bool):
+        model = copy.deepcopy(base).train()
+        if compiled:
+            model.layers["1"].compile()  # the first MoE block: its gradient needs the later block's picks
+        model(tokens).square().mean().backward()
+        return [m.router.gate.weight.grad for m in model.modules() if hasattr(m, "router")]
+
+    eager, compiled = router_grads(False), router_grads(True)
+    for a, b in zip(eager, compiled):
+        assert (a - b).norm() <= 1e-6 * a.norm(), ((a - b).norm() / a.norm()).item()
+
+
+def test_pooled_balance_loss_is_refused_under_pp_in_one_line():
+    """Pipeline stages hold different layers and cannot pool their routing: one line naming the
+    field and the fixes; the per-layer scope, or no loss, is accepted."""
+    from configuration.fields import ConfigError
+    from trainer.config import load_config
+
+    pp = ["--model.name", "qwen3", "--model.flavor", "30B-A3B", "--parallelism.pipeline_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match=r"moe\.aux_loss_scope: 'model' pools") as e:
+        load_config(pp)
+    assert "\n" not in str(e.value) and "--moe.aux_loss_scope batch" in str(e.value)
+    assert load_config(pp + ["--moe.aux_loss_scope", "batch"]).model_args.aux_loss_scope == "batch"
+    assert load_config(pp + ["--moe.aux_loss_coeff", "0"]).model_args.aux_loss_coeff == 0

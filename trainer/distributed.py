@@ -34,12 +34,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device, timeout_s: int) -> str | None:
-    """Initialises the default process group when WORLD_SIZE > 1; returns the backend."""
+def init_distributed(device: torch.device, timeout_s: int, cpu_collectives: bool = False) -> str | None:
+    """Initialises the default process group when WORLD_SIZE > 1; returns the backend.
+
+    `cpu_collectives` (fsdp_cpu_offload on a GPU): the sharded parameters, gradients and
+    optimizer states live in host memory, and what reads them across ranks (gradient
+    clipping's norm, Muon's assembly, a checkpoint's gather) runs collectives on CPU tensors,
+    which NCCL cannot. Every group then carries gloo for CPU tensors beside NCCL."""
     global _timeout_s
     if world_size() == 1:
         return None
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -115,17 +122,6 @@ def set_seed(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def resolve_dtype(name: str, device: torch.device, allow_on_cpu: bool) -> torch.dtype:
-    """bf16 where it is fast and supported; fp32 on CPU unless explicitly asked."""
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-    if dtype == torch.bfloat16:
-        if device.type == "cpu" and not allow_on_cpu:
-            return torch.float32
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return torch.float32
-    return dtype
 
 
 def destroy() -> None:

@@ -108,11 +108,18 @@ def attention_flops_per_token(model_args, seq_len: int) -> float:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory: on CUDA since the last `reset_peak_memory` (each logged record's window, as
+    TorchTitan logs it); on CPU the process's peak RSS (which cannot be reset)."""
     if device.type == "cuda":
         return {"memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
                 "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     # ru_maxrss is in KiB on Linux.
     return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class MetricsLogger:
@@ -189,6 +196,7 @@ class MetricsLogger:
                "mfu_pct": mfu, "mfu_causal_pct": mfu_causal, "step_time_s": elapsed / max(self._steps, 1),
                **memory_stats(self.device), **(extra or {})}
         self.reset_timer()
+        reset_peak_memory(self.device)  # the next record's peak is its own window's, not the first step's
         if not self.enabled:
             return rec
         mem = next(iter(v for k, v in rec.items() if k.startswith("memory/")))

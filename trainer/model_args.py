@@ -36,13 +36,17 @@ class MoEConfig:
         None, "Auxiliary-loss-free balancing: after each optimizer step expert_bias += rate * sign(mean load - "
         "load). 0 freezes the routing bias. Default: the model's own (1e-3 for DeepSeek V3).", min=0.0)
     aux_loss_coeff: float | None = opt(
-        None, "Coefficient of the sequence-wise balance loss (DeepSeek V3's alpha), normalised once per global "
-        "batch; 0 = off. Default: the model's own (0).", min=0.0)
+        None, "Coefficient of the balance loss (DeepSeek V3's alpha; with scope model HF's router_aux_loss_coef), "
+        "normalised once per global batch; 0 = off. Default: the model's own (DeepSeek V3 0; Qwen3 MoE flavors "
+        "0.001, debug_moe 0.002 per layer; from an HF folder its router_aux_loss_coef, or 0 with output_router_logits false).", min=0.0)
     aux_loss_scope: str | None = opt(
         None, "What one balance-loss term covers. sequence: each sequence (DeepSeek V3), averaged over the global "
         "batch's sequences whatever the layout. batch: all tokens of one forward (a microbatch on one data rank, "
         "whole sequences under CP and sequence parallel), weighted by its share of the global batch's sequences "
-        "(Qwen3's). Default: the model's own (DeepSeek V3 sequence, Qwen3 batch).", choices=("sequence", "batch"))
+        "(per layer). model: the batch scope's tokens pooled over every MoE layer of the forward into one "
+        "loss, HF's Qwen3-MoE load_balancing_loss_func (refused under PP: stages hold different layers). Default: "
+        "the model's own (DeepSeek V3 sequence, Qwen3 model, its debug_moe flavor batch).",
+        choices=("sequence", "batch", "model"))
     route_norm: bool | None = opt(
         None, "Normalise each token's top-k routing weights to sum to 1 (before the model's route scale). "
         "Default: the model's own (DeepSeek V3 sigmoid routing and Qwen3: true; DeepSeek softmax routing, "

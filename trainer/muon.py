@@ -55,6 +55,13 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
     return x.to(g.dtype)
 
 
+def ns_flops(m: int, n: int, steps: int = 5) -> int:
+    """FLOPs of `newton_schulz` on one m x n matrix (a = min(m, n), b = max): per iteration
+    the Gram matrix (2 a^2 b), its square (2 a^3) and the product with X (2 a^2 b)."""
+    a, b = min(m, n), max(m, n)
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
 def update_scale(shape: torch.Size, mode: str, rms_factor: float) -> float:
     """Multiplier of the orthogonalised update of one matrix of `shape` (2-D [out, in], or
     3-D grouped experts [E, in, out])."""
@@ -102,11 +109,14 @@ class Muon(torch.optim.Optimizer):
     nesterov, ns_steps, scale_mode, rms_factor); the others AdamW's (lr, betas, eps,
     weight_decay), with AdamW's state names (step, exp_avg, exp_avg_sq)."""
 
-    def __init__(self, param_groups: list[dict], *, ns_dtype: torch.dtype = torch.float32, foreach: bool = True):
+    def __init__(self, param_groups: list[dict], *, ns_dtype: torch.dtype = torch.float32, foreach: bool = True,
+                 device: torch.device | None = None):
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, scale_mode="rms",
                         rms_factor=0.2, betas=(0.9, 0.95), eps=1e-8, muon=False)
         super().__init__(param_groups, defaults)
-        self.ns_dtype, self.foreach = ns_dtype, foreach
+        # `device`: where the assembly and NS run (the training device). Under FSDP's CPU offload
+        # the parameters, gradients and momentum live in host memory; the updates go there and back.
+        self.ns_dtype, self.foreach, self.device = ns_dtype, foreach, device
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,13 +141,14 @@ class Muon(torch.optim.Optimizer):
             g, buf = _local(p.grad), _local(state["momentum_buffer"])
             buf.mul_(mu).add_(g)  # elementwise: shard-local is exact
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            updates.append(u.to(self.ns_dtype, copy=True))  # NS's precision: bf16 halves the assembly bytes
+            # NS's precision (bf16 halves the assembly bytes), on the training device
+            updates.append(u.to(device=self.device or u.device, dtype=self.ns_dtype, copy=True))
         ns = lambda x: newton_schulz(x, group["ns_steps"], self.ns_dtype)  # noqa: E731
         for p, o in zip(params, orthogonalize(updates, params, ns)):
             w = _local(p)
             if wd:
                 w.mul_(1.0 - lr * wd)
-            w.add_(o.to(w.dtype), alpha=-lr * update_scale(p.shape, group["scale_mode"], group["rms_factor"]))
+            w.add_(o.to(w.device, w.dtype), alpha=-lr * update_scale(p.shape, group["scale_mode"], group["rms_factor"]))
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -55,13 +55,16 @@ class LRSchedulerConfig:
     min_lr_factor: float = opt(0.0, "Final LR as a fraction of the peak.", min=0.0, max=1.0)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
-    """The optimizer of one model part."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str,
+                    whole_model: list | None = None) -> torch.optim.Optimizer:
+    """The optimizer of one model part. `whole_model`: the (name, param) pairs of the whole model
+    (every pipeline stage; meta tensors do) that `optimizer.muon_params` is checked against;
+    None: this part's own."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"
     if cfg.name == "muon":
-        return build_muon(model, cfg, device_type, foreach=impl != "for-loop")
+        return build_muon(model, cfg, device_type, foreach=impl != "for-loop", whole_model=whole_model)
     params = model.parameters()
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
               "fused": impl == "fused", "foreach": impl == "foreach"}
@@ -95,14 +98,23 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
 
 
-def build_muon(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str, foreach: bool = True):
-    from trainer.muon import Muon, is_muon_param, split_params
+def check_muon_params(named_params: list, cfg: OptimizerConfig) -> None:
+    """Each `optimizer.muon_params` pattern must select a parameter of `named_params` (the whole
+    model: under PP a pattern may select parameters of other stages only)."""
+    from trainer.muon import is_muon_param
+
+    for pattern in cfg.muon_params:
+        if not any(is_muon_param(n, p, [pattern], cfg.muon_exclude) for n, p in named_params):
+            raise ConfigError(f"config error: optimizer.muon_params: {pattern!r} matches no >= 2-D parameter "
+                              f"outside muon_exclude (names look like {named_params[0][0]!r}); fix the pattern")
+
+
+def build_muon(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str, foreach: bool = True,
+               whole_model: list | None = None):
+    from trainer.muon import Muon, split_params
 
     named = list(model.named_parameters())
-    for pattern in cfg.muon_params:
-        if not any(is_muon_param(n, p, [pattern], cfg.muon_exclude) for n, p in named):
-            raise ConfigError(f"config error: optimizer.muon_params: {pattern!r} matches no >= 2-D parameter "
-                              f"outside muon_exclude (names look like {named[0][0]!r}); fix the pattern")
+    check_muon_params(named if whole_model is None else whole_model, cfg)
     muon, adamw, _ = split_params(named, cfg.muon_params, cfg.muon_exclude)
     ns_dtype = {"auto": torch.bfloat16 if device_type == "cuda" else torch.float32,
                 "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.muon_ns_dtype]
@@ -112,4 +124,5 @@ def build_muon(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str, f
                "scale_mode": cfg.muon_update_scale, "rms_factor": cfg.muon_rms_factor},
               {"params": adamw, "muon": False, "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
                "weight_decay": cfg.weight_decay}]
-    return Muon([g for g in groups if g["params"]], ns_dtype=ns_dtype, foreach=foreach)
+    return Muon([g for g in groups if g["params"]], ns_dtype=ns_dtype, foreach=foreach,
+                device=torch.device(device_type))

@@ -34,6 +34,7 @@ from trainer.errors import report_user_error, run_entry_point
 from trainer.fault_tolerance.config import checkpoint_writer, data_slice, log_folder
 from trainer.fault_tolerance.hang import HangWatch, inject_test_faults
 from trainer.fault_tolerance.replicas import StopRequested
+from models.hf_config import read_hf_config
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
 from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per_token
@@ -76,7 +77,8 @@ class Trainer:
         # First, so that a preemption signal during start-up is remembered, not fatal.
         self.preemption = PreemptionHandler()
         self.device = tdist.pick_device(t.device)
-        self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self.backend = tdist.init_distributed(self.device, cfg.comm.init_timeout_seconds,
+                                              cpu_collectives=cfg.parallelism.fsdp_cpu_offload)
         self.rank = global_rank()
         if cfg.model_args is None:  # a JobConfig built in code, not by load_config
             cfg.validate()
@@ -122,7 +124,8 @@ class Trainer:
         set_aux_loss_sequences(self.model_parts, self.global_batch_size)
 
         # ---- optimizer, schedule, checkpoint, metrics ----
-        self.optimizers = [build_optimizer(p, cfg.optimizer, self.device.type) for p in self.model_parts]
+        self.optimizers = [build_optimizer(p, cfg.optimizer, self.device.type, whole_model=built.whole_model_params)
+                           for p in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(o, t.steps, cfg.lr_scheduler) for o in self.optimizers]
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, model_parts=self.model_parts,
                                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
@@ -138,6 +141,11 @@ class Trainer:
         if cfg.model.hf_path and not resuming and not cfg.checkpoint.initial_load_path:
             # model.hf_path: the folder's weights, unless a checkpoint resumes (or initial_load_path gives others).
             load_hf_weights(self.model_parts, cfg.model.hf_path)
+        if cfg.model.hf_path and self.rank == 0:  # what an imported config trains with beyond the weights
+            note = getattr(self.spec.state_dict_adapter, "balance_note", None)
+            line = note(self.model_args, read_hf_config(cfg.model.hf_path)) if note else None
+            if line:
+                logger.info(f"{model_label(cfg)}: {line}")
         # Global rank 0 logs (what run_train.sh shows by default): train_step all-reduces the
         # loss over dp and, with PP, from the last stage along the pipeline, and the grad norm
         # is global, so every rank holds the values it logs.

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from models.common.attention import DocumentMask
 from models.common.init import trunc_normal_
+from models.common.moe_pool import pooled_routing
 from models.common.norms import RMSNorm
 
 
@@ -79,7 +80,8 @@ class DecoderLM(nn.Module):
         # The table stays fp32 (a view, shared by every block): `apply_rope` rotates in fp32
         # and keeps no per-block copy of it for backward (models/common/rope.py).
         mask = None if document_ids is None else DocumentMask(document_ids)
-        for block in self.layers.values():
-            h = block(h, rope, mask=mask)
+        with pooled_routing():  # a balance loss over every MoE layer of this forward (models/common/moe_pool.py)
+            for block in self.layers.values():
+                h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

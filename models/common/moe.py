@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial
 from models.common.decoder import FeedForward
 from models.common.grouped_gemm import experts_grouped_mm, experts_loop, grouped_mm_alignment, grouped_mm_supported
 from models.common.init import trunc_normal_
+from models.common.moe_pool import pooled_balance_loss
 
 
 @dataclass
@@ -61,7 +62,9 @@ class MoEArgs:
     # token the data ranks route together in one forward (one f_i, P_i per layer: counts summed
     # over the dp mesh by parallelisms/sequence_shards.py), weighted by its sequences' share.
     # Gradient accumulation and pipeline microbatches still each have their own f_i.
-    aux_loss_scope: Literal["sequence", "batch"] = "sequence"
+    # "model": HF's Qwen3-MoE / Mixtral loss, the batch scope's tokens pooled over every MoE
+    # layer of the forward into one loss (models/common/moe_pool.py).
+    aux_loss_scope: Literal["sequence", "batch", "model"] = "sequence"
     use_grouped_mm: bool = True
 
 
@@ -384,8 +387,12 @@ class MoE(nn.Module):
             # "batch" treats the forward's tokens as one sequence: [N, K] ids -> 1 x (N * K) picks.
             # Its share is that of every sequence the data ranks route together (the count
             # reduce's batch slices: other data ranks' sequences), as one loss over their batch.
-            per_batch = self.args.aux_loss_scope == "batch"
+            per_batch = self.args.aux_loss_scope in ("batch", "model")
             batch_seqs = bsz * getattr(self.aux_loss_count_reduce, "batch_slices", 1) if per_batch else 1
+            if self.args.aux_loss_scope == "model":  # one loss over every layer: its gradient comes in backward
+                probs = scores / scores.sum(dim=-1, keepdim=True) if self.args.score_func == "sigmoid" else scores
+                return pooled_balance_loss(out, probs, ids, self.args.aux_loss_coeff * scale * batch_seqs,
+                                           self.aux_loss_count_reduce, self.aux_loss)
             aux = (self.args.aux_loss_coeff * scale * batch_seqs) * sequence_balance_loss(
                 scores, ids, 1 if per_batch else bsz, self.num_experts, self.args.score_func, reduction="sum",
                 count_reduce=self.aux_loss_count_reduce)

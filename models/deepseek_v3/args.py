@@ -31,8 +31,9 @@ class DeepSeekV3Args:
     route_norm: bool | None = None
     # Sequence-level balance loss coefficient (DeepSeek V3's alpha); 0 disables it.
     aux_loss_coeff: float = 0.0
-    # "sequence": the loss per sequence (DeepSeek V3); "batch": over all tokens of a forward (MoEArgs).
-    aux_loss_scope: Literal["sequence", "batch"] = "sequence"
+    # "sequence": the loss per sequence (DeepSeek V3); "batch": over all tokens of a forward; "model":
+    # over every MoE layer of a forward too (MoEArgs).
+    aux_loss_scope: Literal["sequence", "batch", "model"] = "sequence"
     # Aux-loss-free balancing: expert_bias += coeff * sign(mean load - load) after each
     # optimizer step (spec.post_optimizer_step_fn). 0 freezes the bias.
     load_balance_coeff: float = 1e-3

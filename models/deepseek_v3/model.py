@@ -24,6 +24,7 @@ import torch.nn as nn
 from models.common.attention import DocumentMask, SDPA
 from models.common.block import MoETransformerBlock
 from models.common.decoder import DecoderLM
+from models.common.moe_pool import pooled_routing
 from models.common.init import trunc_normal_
 from models.common.moe import MoE, MoEArgs, inactive_expert_params
 from models.common.norms import RMSNorm
@@ -176,13 +177,14 @@ class DeepSeekV3(DecoderLM):
             h = tokens
         rope = self.rope_cache[: h.shape[1]] if positions is None else self.rope_cache[positions]
         mask = None if document_ids is None else DocumentMask(document_ids)
-        for block in self.layers.values():
-            h = block(h, rope, mask=mask)
-        if self.output is None:
-            return (h, *(pipeline_tensor(c) for c in carried))
-        hidden = [self.norm(h)]
-        for layer, emb in zip(self.mtp.values(), carried):
-            hidden.append(layer(hidden[-1], emb, rope, mask=mask))
+        with pooled_routing():  # the MTP layers' MoE too (models/common/moe_pool.py)
+            for block in self.layers.values():
+                h = block(h, rope, mask=mask)
+            if self.output is None:
+                return (h, *(pipeline_tensor(c) for c in carried))
+            hidden = [self.norm(h)]
+            for layer, emb in zip(self.mtp.values(), carried):
+                hidden.append(layer(hidden[-1], emb, rope, mask=mask))
         return self.output(torch.cat(hidden, dim=0))
 
     def _rope_cache(self) -> torch.Tensor:

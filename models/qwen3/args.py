@@ -39,11 +39,14 @@ class Qwen3Args:
     # Block i is MoE iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (HF's rule).
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    # Load-balancing loss coefficient; 0 disables it. Our per-layer loss is 1 when balanced, HF's
-    # is top_k: this is HF's router_aux_loss_coef x top_k (the adapter converts both ways).
+    # Load-balancing loss coefficient; 0 disables it. With scope "model" it is HF's
+    # router_aux_loss_coef (the loss is transformers' load_balancing_loss_func: one Switch loss
+    # over every MoE layer's routing of a forward, top_k when balanced).
     aux_loss_coeff: float = 0.0
-    # "batch": the Switch / Qwen3 loss over all tokens a forward routes (not per sequence).
-    aux_loss_scope: Literal["batch", "sequence"] = "batch"
+    # "model": HF's loss pooled over the layers (models/common/moe_pool.py); "batch": one such loss
+    # per layer, each 1 when balanced (sum over L layers: L / top_k x HF's at equal loads);
+    # "sequence": per sequence and layer (DeepSeek V3's).
+    aux_loss_scope: Literal["model", "batch", "sequence"] = "model"
     # Aux-loss-free bias update rate: off for Qwen3 (its checkpoints have no routing bias).
     load_balance_coeff: float = 0.0
     use_grouped_mm: bool = True
@@ -94,7 +97,7 @@ def _dense(dim: int, n_layers: int, n_heads: int, ffn: int, tie: bool) -> Qwen3A
 def _moe(dim: int, n_layers: int, n_heads: int, ffn: int, moe_ffn: int) -> Qwen3Args:
     return Qwen3Args(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=4, head_dim=128, ffn_hidden_dim=ffn,
                      n_routed_experts=128, n_activated_experts=8, moe_inter_dim=moe_ffn,
-                     aux_loss_coeff=0.001 * 8)  # the Qwen3 recipe's 0.001 in HF units
+                     aux_loss_coeff=0.001)  # the Qwen3 recipe's router_aux_loss_coef, HF's pooled loss
 
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
@@ -104,7 +107,8 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     # Tiny MoE: 8 experts, top 2, one dense block first (mlp_only_layers), untied.
     "debug_moe": Qwen3Args(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, vocab_size=2048,
                            ffn_hidden_dim=768, max_seq_len=4096, n_routed_experts=8, n_activated_experts=2,
-                           moe_inter_dim=128, mlp_only_layers=[0], aux_loss_coeff=0.001 * 2),
+                           moe_inter_dim=128, mlp_only_layers=[0], aux_loss_coeff=0.001 * 2,
+                           aux_loss_scope="batch"),  # per layer: the layout tests' and golden curve's scope
     "0.6B": _dense(1024, 28, 16, 3072, tie=True),
     "1.7B": _dense(2048, 28, 16, 6144, tie=True),
     "4B": _dense(2560, 36, 32, 9728, tie=True),

@@ -56,11 +56,37 @@ _MOE_FIELDS = _DENSE_FIELDS | {"moe_intermediate_size", "num_experts", "num_loca
                                "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
 
 
+
+def hf_aux_coef(a: Qwen3Args) -> float:
+    """HF's router_aux_loss_coef for our balance loss: the same number for scope "model" (the same
+    loss); for a loss per layer (each 1 when balanced, HF's pooled one top_k), the coefficient
+    whose router gradients equal ours when every layer's loads are equal: coeff x L / top_k."""
+    if a.aux_loss_scope == "model":
+        return a.aux_loss_coeff
+    return a.aux_loss_coeff * a.n_moe_layers / a.n_activated_experts
+
+
+def balance_note(a: Qwen3Args, cfg: dict) -> str | None:
+    """One line: the balancing an imported Qwen3-MoE folder trains with (None for a dense model)."""
+    if not a.moe_enabled:
+        return None
+    hf = (f"config.json: output_router_logits {str(bool(cfg.get('output_router_logits'))).lower()}, "
+          f"router_aux_loss_coef {cfg.get('router_aux_loss_coef')}")
+    bias = f"; aux-loss-free bias update rate {a.load_balance_coeff}" if a.load_balance_coeff else ""
+    if a.aux_loss_coeff == 0:
+        return (f"MoE balancing: no balance loss ({hf}; HF trains without one){bias}; add HF's with "
+                "--moe.aux_loss_coeff 0.001")
+    what = {"model": f"HF's load_balancing_loss_func, one loss over all {a.n_moe_layers} MoE layers",
+            "batch": f"one Switch loss per MoE layer ({a.n_moe_layers} layers)",
+            "sequence": "a per-sequence loss per MoE layer"}[a.aux_loss_scope]
+    return f"MoE balancing: {what}, coefficient {a.aux_loss_coeff} ({hf}){bias}"
+
 class Qwen3StateDictAdapter(HFStateDictAdapter):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
     also_reads = ("qwen3_moe",)
     model_cls = Qwen3
+    balance_note = staticmethod(balance_note)  # logged by the trainer when it trains from an HF folder
 
     # ---- names ----
     def recipe_for(self, key: str) -> Recipe:
@@ -126,20 +152,22 @@ class Qwen3StateDictAdapter(HFStateDictAdapter):
         if moe:
             n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             require(n_experts is not None, f"{where}: num_experts is missing")
-            # HF adds the loss only with output_router_logits; its loss is top_k x ours (models/qwen3/args.py).
-            aux = (float(cfg.get("router_aux_loss_coef", 0.0)) * int(cfg["num_experts_per_tok"])
-                   if cfg.get("output_router_logits") else 0.0)
+            # HF trains with its balance loss only under output_router_logits; ours with scope "model" is
+            # that loss (one over every MoE layer), so the coefficient carries over as it is.
+            aux = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0
             fields.update(
                 n_routed_experts=int(n_experts), n_activated_experts=int(cfg["num_experts_per_tok"]),
                 moe_inter_dim=int(cfg["moe_intermediate_size"]), route_norm=bool(cfg.get("norm_topk_prob", False)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-                mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []], aux_loss_coeff=aux)
+                mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []], aux_loss_coeff=aux,
+                aux_loss_scope="model")
             require(fields["decoder_sparse_step"] >= 1, f"{where}: decoder_sparse_step must be >= 1")
         args = Qwen3Args(**fields)
         # Prefer a published flavor's spelling (its training defaults, e.g. the aux loss) when one matches.
         for flavor in QWEN3_FLAVORS.values():
             if cls.signature(flavor) == cls.signature(args):
-                return dataclasses.replace(flavor, max_seq_len=args.max_seq_len, aux_loss_coeff=aux if moe else 0.0)
+                return dataclasses.replace(flavor, max_seq_len=args.max_seq_len, aux_loss_coeff=aux if moe else 0.0,
+                                           aux_loss_scope=args.aux_loss_scope)
         return args
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -163,7 +191,7 @@ class Qwen3StateDictAdapter(HFStateDictAdapter):
                 "moe_intermediate_size": a.moe_inter_dim, "norm_topk_prob": a.route_norm,
                 "decoder_sparse_step": a.decoder_sparse_step, "mlp_only_layers": list(a.mlp_only_layers),
                 "output_router_logits": a.aux_loss_coeff > 0,
-                "router_aux_loss_coef": a.aux_loss_coeff / a.n_activated_experts if a.aux_loss_coeff else 0.001,
+                "router_aux_loss_coef": hf_aux_coef(a) if a.aux_loss_coeff else 0.001,
             })
         return cfg
 

@@ -1,5 +1,6 @@
-"""What the torch-side sections share: the device, flavors, host-sync counting, a one-rank
-process group, and a failed row's one-line reason."""
+"""What the torch-side sections share: the device, random draws on it, TF32 for fp32
+references, flavors, host-sync counting, a one-rank process group, and a failed row's
+one-line reason."""
 
 from __future__ import annotations
 
@@ -25,6 +26,32 @@ def device(dry: bool) -> torch.device:
         raise SystemExit("gpu_check: no CUDA device; run with --dry on a CPU")
     torch.cuda.set_device(0)
     return torch.device("cuda", 0)
+
+
+def generator(dev: torch.device, seed: int = 0) -> torch.Generator:
+    """A generator on `dev`: tensors are drawn where they are used (a CPU draw and a copy of
+    ~10^8 values costs seconds)."""
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
+def randn(*shape, dev: torch.device, gen: torch.Generator, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """`scale` x N(0, 1) drawn on `dev` in fp32, then cast (the same values for every dtype)."""
+    x = torch.randn(*shape, device=dev, generator=gen)
+    return (x * scale if scale != 1.0 else x).to(dtype)
+
+
+@contextlib.contextmanager
+def tf32():
+    """fp32 matmuls in TF32 (`torch.set_float32_matmul_precision("high")`: cuBLAS's TF32, set
+    through the one API that torch 2.9+ does not mix up with its newer `fp32_precision`
+    switches) for fp32 references: ~7x IEEE fp32's speed on an H200, and 2^-11 relative,
+    far inside the bf16 tolerances they check."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def sync(dev: torch.device) -> None:
@@ -97,17 +124,23 @@ def count_syncs(dev: torch.device, compiled: bool = False):
         box["n"] = counter.count
 
 
+@contextlib.contextmanager
 def one_rank_group(dev: torch.device):
     """The default process group on a world of one (NCCL on CUDA, bound to the device, as the
-    trainer needs; gloo on CPU); returns the backend."""
+    trainer needs; gloo on CPU), destroyed on the way out (an NCCL group left to the
+    interpreter's exit can hang it or warn); yields the backend."""
     import torch.distributed as dist
 
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return backend
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    try:
+        yield backend
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dist.destroy_process_group()
 
 
 def gib(n_bytes: float) -> str:

@@ -3,6 +3,10 @@ rewrites `<out>/gpu_check.md` after every one (no torch import).
 
     python -m gpu_check [--dry] [--out DIR] [--only a,b] [--deadline-s S] [--list]
 
+Each section starts with the time its own budget and what earlier sections left unused allow,
+keeping the budgets of the core sections still to run (`plan.start_timeout`); the plan, each
+budget with its basis and their sum are the first lines of the log (and `--list`).
+
 Everything lands in DIR as it happens: rows/<section>.json (each section's rows), env.json and
 env.md (the env section's report), gpu_check.log (every section's output), status.json (what
 ran, how it ended) and gpu_check.md (the table). SIGTERM/SIGINT stop the running section,
@@ -24,7 +28,7 @@ import time
 from pathlib import Path
 
 from gpu_check import report
-from gpu_check.plan import BY_NAME, DEADLINE_S, DRY_SCALE, PLAN, start_timeout
+from gpu_check.plan import BY_NAME, DEADLINE_S, DRY_SCALE, PLAN, plan_lines, start_timeout
 from gpu_check.rows import write_json
 
 # Files of a previous run in the same folder: removed first, so the table never mixes runs.
@@ -69,7 +73,7 @@ class Driver:
 
     def run_section(self, name: str, timeout_s: float) -> dict:
         cmd = [sys.executable, "-m", "gpu_check", "section", name, "--out", str(self.out)] + (["--dry"] if self.dry else [])
-        self.say(f"== {name} (timeout {timeout_s:.0f} s, {_now()})")
+        self.say(f"== {name} (budget {BY_NAME[name].budget_s * self.scale} s, timeout {timeout_s:.0f} s, {_now()})")
         t0 = time.monotonic()
         self.child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True)  # its own group: a timeout kills its workers too
@@ -83,7 +87,8 @@ class Driver:
             state = {"state": "timeout"}
         tee.join(timeout=5)
         self.child = None
-        return {**state, "timeout_s": timeout_s, "wall_s": round(time.monotonic() - t0, 1)}
+        return {**state, "timeout_s": round(timeout_s, 1), "budget_s": BY_NAME[name].budget_s * self.scale,
+                "wall_s": round(time.monotonic() - t0, 1)}
 
     def kill_child(self) -> None:
         if self.child is not None and self.child.poll() is None:
@@ -103,13 +108,21 @@ class Driver:
         self.save()
         os._exit(128 + signum)
 
+    def reserved_after(self, i: int) -> float:
+        """The budgets of the core sections that run after the i-th (they keep them whole)."""
+        return sum(BY_NAME[n].budget_s * self.scale for n in self.names[i + 1:] if BY_NAME[n].core)
+
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self.on_signal)
         self.save()
-        for name in self.names:
+        scale = f" (x{self.scale} with --dry)" if self.scale != 1 else ""
+        self.say(f"== plan: budgets in seconds on a GPU{scale}, deadline {self.deadline_s:.0f} s")
+        for line in plan_lines():
+            self.say(line)
+        for i, name in enumerate(self.names):
             left = self.deadline_s - (time.monotonic() - self.t0)
-            timeout_s, why = start_timeout(BY_NAME[name], left, self.scale)
+            timeout_s, why = start_timeout(BY_NAME[name], left, self.reserved_after(i), self.scale)
             if self.dry_plan and BY_NAME[name].dry_as:
                 timeout_s, why = None, f"skipped: not in the --dry plan (its code runs in {BY_NAME[name].dry_as}, " \
                                        f"other flags); --dry --only {name} runs it"
@@ -118,7 +131,8 @@ class Driver:
                 self.say(f"== {name}: {why}")
             else:
                 self.current = name
-                self.status["sections"][name] = {"state": "running", "timeout_s": timeout_s}
+                self.status["sections"][name] = {"state": "running", "timeout_s": round(timeout_s, 1),
+                                                 "budget_s": BY_NAME[name].budget_s * self.scale}
                 self.save()
                 self.status["sections"][name] = self.run_section(name, timeout_s)
                 self.current = None
@@ -140,12 +154,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default="", help="comma-separated sections to run, in plan order")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help=f"stop starting sections after this (default {DEADLINE_S} s; x{DRY_SCALE} with --dry)")
-    parser.add_argument("--list", action="store_true", help="print the plan and exit")
+    parser.add_argument("--list", action="store_true", help="print the plan (each section's budget, its basis, "
+                        "the sum) and exit")
     args = parser.parse_args(argv)
     if args.list:
-        for s in PLAN:
-            dry = f" (--dry: as {s.dry_as})" if s.dry_as else ""
-            print(f"{s.name:28s} {s.timeout_s:4d} s  {'core ' if s.core else 'extra'}  {s.kind:10s}  {s.what}{dry}")
+        print("\n".join(plan_lines()))
         return 0
     names = [s.name for s in PLAN]
     if args.only:

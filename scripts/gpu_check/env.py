@@ -1,9 +1,10 @@
-"""The `env` section (first, ~15 s): what the machine is, so every later row can be read.
+"""The `env` section (first, ~30 s cold): what the machine is, so every later row can be read.
 
 Versions (torch, CUDA, driver, triton, torchao), the device and its compute capability, which
 optional packages import, whether a trivial `torch.compile` works (inductor needs a C compiler
-and Python.h: Triton builds its launcher with them on CUDA, the C++ backend on CPU), and which
-SDPA kernel `torch._fused_sdp_choice` picks for the attention shapes the models run. A row
+and Python.h: Triton builds its launcher with them on CUDA, the C++ backend on CPU), which
+SDPA kernel the trainer's attention calls get (inputs requiring grad, as in training: the
+choice depends on it) and whether they run forward + backward. A row
 that depends on something missing reads `n/a: <why>`, not FAILED. Written to env.json and
 env.md in the results folder, and as rows of the table.
 """
@@ -18,7 +19,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from gpu_check.common import device, reason, sync
+from gpu_check.common import device, generator, randn, reason, sync
 from gpu_check.rows import write_json
 
 import torch
@@ -70,34 +71,74 @@ def _trivial_compile(dev: torch.device, have_compiler: bool) -> tuple[str, str]:
     return ("ok" if ok else "MISMATCH"), f"{backend}, {time.perf_counter() - t0:.1f} s cold"
 
 
-def sdpa_shapes(dry: bool) -> list[tuple[str, tuple, tuple, tuple, bool, bool]]:
-    """(name, q, k, v shapes, is_causal, dense bool mask): Llama 3 8B GQA, DeepSeek 16B MLA
-    (v padded 128 -> 192, as models.common.attention does), and CP (a local query chunk over a
-    longer prefix; compiled CP builds a dense bool mask)."""
+def sdpa_shapes(dry: bool) -> list[tuple[str, tuple, tuple, tuple, str]]:
+    """(name, q, k, v shapes, kind) of the attention calls the trainer makes: Llama 3 8B GQA,
+    DeepSeek 16B MLA (v padded 128 -> 192, as models.common.attention does), both causal; a CP
+    chunk (a local query chunk over a longer prefix: `attend_prefix`'s lower-right causal
+    mask); and SDPA with a dense bool mask (what compiled CP runs on CPU)."""
     s = 64 if dry else 1024
     h, kv, d = (4, 2, 16) if dry else (32, 8, 128)
     mh, dqk = (2, 24) if dry else (16, 192)
-    return [("GQA (Llama 3 8B)", (1, h, s, d), (1, kv, s, d), (1, kv, s, d), True, False),
-            ("MLA (q/k 192, v 128 padded to 192)", (1, mh, s, dqk), (1, mh, s, dqk), (1, mh, s, dqk), True, False),
-            ("CP chunk, causal, no mask", (1, h, s // 4, d), (1, kv, s, d), (1, kv, s, d), False, False),
-            ("CP chunk, dense bool mask (compiled CP)", (1, h, s // 4, d), (1, kv, s, d), (1, kv, s, d), False, True)]
+    return [("GQA (Llama 3 8B)", (1, h, s, d), (1, kv, s, d), (1, kv, s, d), "causal"),
+            ("MLA (q/k 192, v 128 padded to 192)", (1, mh, s, dqk), (1, mh, s, dqk), (1, mh, s, dqk), "causal"),
+            ("CP chunk, lower-right causal (eager CP)", (1, h, s // 4, d), (1, kv, s, d), (1, kv, s, d), "lower_right"),
+            ("CP chunk, dense bool mask (compiled CP on CPU)", (1, h, s // 4, d), (1, kv, s, d), (1, kv, s, d),
+             "bool_mask")]
 
 
-def _sdp_choice(dev, dtype, q_shape, k_shape, v_shape, causal: bool, masked: bool) -> tuple[str, str]:
+def _backend_name(choice) -> str:
     from torch.nn.attention import SDPBackend
 
-    q, k, v = (torch.zeros(s, device=dev, dtype=dtype) for s in (q_shape, k_shape, v_shape))
-    mask = torch.ones(q_shape[2], k_shape[2], dtype=torch.bool, device=dev).tril(k_shape[2] - q_shape[2]) \
-        if masked else None
+    return next((n for n, b in SDPBackend.__members__.items() if int(b.value) == int(choice)), str(choice))
+
+
+def _lower_right_choice(q, k, v, gqa: bool) -> str:
+    """The kernel `CausalBias` (what `lower_right_mask` gives on CUDA) dispatches to: flash,
+    else memory-efficient, else SDPA on the materialised mask (torch/nn/attention/bias.py)."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, 0.0, False, gqa)
+    if can_use_flash_attention(params):
+        return "FLASH_ATTENTION"
+    if can_use_efficient_attention(params):
+        return "EFFICIENT_ATTENTION"
+    return "MATH (the mask materialised: slow, and [B,H,q,k] scores in memory)"
+
+
+def _sdpa_row(dev, dtype, q_shape, k_shape, v_shape, kind: str) -> tuple[str, str]:
+    """The kernel SDPA picks for the trainer's call, with inputs that require grad (the
+    choice depends on it), and that call run forward + backward."""
+    from models.common.attention import SDPA
+    from parallelisms.context_parallel import attend_prefix, lower_right_mask
+
+    gen = generator(dev)
+    q, k, v = (randn(*s, dev=dev, gen=gen, dtype=dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
     gqa = q_shape[1] != k_shape[1]
+    mask = torch.ones(q_shape[2], k_shape[2], dtype=torch.bool, device=dev).tril(k_shape[2] - q_shape[2])
     try:
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal and not masked,
-                                         enable_gqa=gqa)
+        if kind == "lower_right" and dev.type == "cuda":
+            name = _lower_right_choice(q, k, v, gqa)
+        else:
+            attn_mask = {"causal": None, "bool_mask": mask,
+                         "lower_right": lower_right_mask(q_shape[2], k_shape[2], dtype, dev)}[kind]
+            name = _backend_name(torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, dropout_p=0.0,
+                                                         is_causal=kind == "causal", enable_gqa=gqa))
     except Exception as e:  # noqa: BLE001
-        return "n/a", f"torch._fused_sdp_choice: {reason(e)}"
-    name = next((n for n, b in SDPBackend.__members__.items() if int(b.value) == int(choice)), str(choice))
+        return "n/a", f"the kernel choice: {reason(e)}"
     slow = name == "MATH" and dev.type == "cuda"
-    return "ok", name + (" (the math fallback: slow, and [B,H,q,k] scores in memory)" if slow else "")
+    name += " (the math fallback: slow, and [B,H,q,k] scores in memory)" if slow else ""
+    try:
+        if kind == "causal":
+            out = SDPA()(q, k, v)
+        elif kind == "lower_right":
+            out = attend_prefix(q, k, v, None)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out.float().square().sum().backward()
+        sync(dev)
+    except Exception as e:  # noqa: BLE001
+        return "FAILED", f"{name}; forward + backward: {reason(e)}"
+    return "ok", f"{name}; forward + backward ran"
 
 
 class _Report:
@@ -139,7 +180,8 @@ def run(rows, dry: bool, out: Path) -> None:
     for module in ("triton", "torchao", "tiktoken", "tokenizers"):
         env.add(f"import {module}", *_version(module))
     have_compiler = env.add("C compiler + Python.h", *_compiler()) == "ok"
-    env.add("trivial torch.compile", *_trivial_compile(dev, have_compiler))
+    # The SDPA rows first: seconds, where the first inductor compile below may take a minute.
     dtype = torch.float32 if dry else torch.bfloat16
-    for name, q, k, v, causal, masked in sdpa_shapes(dry):
-        env.add(f"SDPA choice: {name}", *_sdp_choice(dev, dtype, q, k, v, causal, masked))
+    for name, q, k, v, kind in sdpa_shapes(dry):
+        env.add(f"SDPA: {name}", *_sdpa_row(dev, dtype, q, k, v, kind))
+    env.add("trivial torch.compile", *_trivial_compile(dev, have_compiler))

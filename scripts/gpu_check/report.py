@@ -11,19 +11,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpu_check.plan import BY_NAME, PLAN
-from gpu_check.rows import COLUMNS
+from gpu_check import numbers
+from gpu_check.plan import BY_NAME, NUMBERS_STEPS, PLAN
+from gpu_check.rows import ANCHOR_COLUMN, COLUMNS
 
 TABLE = "gpu_check.md"
 BAD = ("FAILED", "MISMATCH")
-NOTES = """\
-tokens/s and MFU: the 2- and 4-layer step times extrapolated per block to 32 layers (a 4-layer
-8B spends ~31% of its FLOPs in the head, 5% at 32). MFU % counts attention as non-causal
-(TorchTitan's convention, `mfu_pct`), MFU causal % the FLOPs a causal kernel does
-(`mfu_causal_pct`), both on the device's dense bf16 peak. alloc / reserved: max_memory_allocated /
-max_memory_reserved over the timed 4-layer steps, next to scripts/estimate_memory.py's figure for
-that 4-layer config. syncs/step: synchronizing CUDA calls in one step under
-torch.cuda.set_sync_debug_mode("warn") (on CPU: `_local_scalar_dense` calls)."""
+NOTES = f"""\
+tokens/s and MFU: Llama 3 8B shape at local batch 2 x seq 8192 on one GPU (no FSDP), the 2- and
+4-layer step times extrapolated per block to 32 layers (a 4-layer 8B spends ~31% of its FLOPs in
+the head, 5% at 32). MFU % counts attention as non-causal (TorchTitan's convention, `mfu_pct`) at
+57.91 GFLOP/token for 32 layers, MFU causal % the FLOPs a causal kernel does (`mfu_causal_pct`),
+both on the device's dense bf16 peak (989 TFLOP/s for an H100 SXM or H200 SXM). {ANCHOR_COLUMN}:
+TorchTitan's published Llama 3.1 8B runs at the same batch and AC (docs/performance.md there: FSDP
+over 8 GPUs, selective op AC, 500 W power limit), with their MFU at the same FLOPs per token and
+peak. alloc / reserved: the largest max_memory_allocated / max_memory_reserved of the timed
+4-layer steps (the peak reset before each), next to scripts/estimate_memory.py's figure for that
+4-layer config. syncs/step: synchronizing CUDA calls in one step under
+torch.cuda.set_sync_debug_mode("warn") (on CPU: `_local_scalar_dense` calls). {numbers.COLUMN}:
+the 4-layer run's; each trainer row's losses, grad norms and per-parameter grad norms at steps
+{", ".join(map(str, NUMBERS_STEPS))} of each depth are checked against its group's reference (eager, AC none):
+beyond the tolerance of its precision the row is marked a mismatch (scripts/gpu_check/numbers.py)."""
 
 
 def _read(path: Path, default):
@@ -74,7 +82,7 @@ def table_rows(folder: Path) -> list[dict]:
     for name in names:
         rows = _read(folder / "rows" / f"{name}.json", [])
         out += _resolve(name, rows, statuses.get(name, {"state": "exit", "rc": 0}))
-    return out
+    return numbers.judge(out)
 
 
 def passed(rows: list[dict]) -> bool:

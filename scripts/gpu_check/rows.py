@@ -12,8 +12,11 @@ import os
 import time
 from pathlib import Path
 
-COLUMNS = ("section", "config", "tokens/s (32L)", "MFU %", "MFU causal %", "alloc GiB", "reserved GiB",
-           "estimator GiB", "syncs/step", "result")
+from gpu_check.numbers import COLUMN as NUMBERS_COLUMN
+
+ANCHOR_COLUMN = "TorchTitan, 8 x H100 500 W"
+COLUMNS = ("section", "config", "tokens/s (32L)", "MFU %", ANCHOR_COLUMN, "MFU causal %", "alloc GiB", "reserved GiB",
+           "estimator GiB", "syncs/step", NUMBERS_COLUMN, "result")
 
 
 def write_json(path: Path, data) -> None:

@@ -33,27 +33,16 @@ def watch_parent(interval_s: float = 0.5) -> None:
 
 def run(name: str, rows: Rows, dry: bool, out: Path) -> None:
     """Imports the section's module only now: a missing package fails its own section."""
+    import importlib
+
     section = BY_NAME[name]
+    module = importlib.import_module(f"gpu_check.{section.module}")
     if name == "env":
-        from gpu_check import env
-
-        env.run(rows, dry, out)
+        module.run(rows, dry, out)
     elif section.llama is not None:
-        from gpu_check import bench
-
-        bench.run_llama(rows, dry, *section.llama)
-    elif name in ("chunked_ce", "deepseek"):
-        from gpu_check import bench
-
-        getattr(bench, f"run_{name}")(rows, dry)
-    elif name in ("fused_adamw", "ep_mesh"):
-        from gpu_check import dist_checks
-
-        getattr(dist_checks, f"run_{name}")(rows, dry)
+        module.run_llama(rows, dry, *section.llama)
     else:
-        from gpu_check import kernels
-
-        getattr(kernels, f"run_{name}")(rows, dry)
+        getattr(module, f"run_{name}")(rows, dry)
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,8 @@
 
 What is summed, and why in this shape (docs/memory.md has the full table):
 
-- persistent: fp32 parameters and AdamW's two moments (gradients are not persistent: they
+- persistent: fp32 parameters and the optimizer's states (AdamW's two moments, Muon's
+  momentum: trainer/memory/optimizer_terms.py) (gradients are not persistent: they
   count in the backward phases, where they are allocated), each at this rank's local size as the assembly holds it (`to_local()` of every parameter after TP, EP
   and FSDP); under PP the pipeline rank with the most;
 - FSDP buffers: the gathered units (FSDP's own all-gather sizes, padding included,
@@ -23,6 +24,7 @@ import torch
 
 from trainer.memory.assemble import Layout, default_world_size, resolve_layout
 from trainer.memory.device_overhead import GpuOverheads, gpu_overhead_terms
+from trainer.memory.optimizer_terms import optimizer_terms
 from trainer.memory.probes import BlockProbe
 from trainer.memory.rank_facts import (  # noqa: F401 - re-exported: the readers lived here
     BlockReadout,
@@ -62,11 +64,15 @@ class MemoryEstimate:
     loss_peak: int  # peak of the logits/loss region (forward or backward), incl. what it keeps
     loss_peak_other: int | None  # the same for the other CE path (None: that path is refused here)
     block_backward: int  # transient of one block's backward (recompute + grad buffers)
-    optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params)
+    optimizer_step: int  # optimizer temporaries (foreach AdamW: one fp32 copy of the params; Muon's NS)
+    optimizer_states: str = "AdamW: 2 x fp32"  # what `optimizer` holds, for the report
     phases: dict = field(default_factory=dict)  # step phase -> bytes above the persistent state
     notes: list = field(default_factory=list)
     # CUDA only: what the GPU spends beyond tensors (trainer/memory/device_overhead.py)
     device_terms: dict = field(default_factory=dict)
+    # gradients held through the forward and backward phases (accumulation; PP with FSDP:
+    # unsharded, `_pp_fsdp_held_grads`); 0 when they exist only from the backward on
+    held_grads: int = 0
 
     @property
     def persistent(self) -> int:
@@ -129,7 +135,9 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
         return 0
     units = heavy.unit_bytes
     largest_block = max((b for u, b in units.items() if u.startswith("layers.")), default=0)
-    reshard = {"always": True, "never": False, "default": layout.pp == 1}[par.fsdp_reshard_after_forward]
+    # Under PP every unit stays gathered whatever the setting: torch's pipeline stage turns FSDP's
+    # reshard after backward off until the last microbatch (`backward_maybe_with_nosync`).
+    reshard = layout.pp == 1 and par.fsdp_reshard_after_forward != "never"
     if reshard:
         # the unit running + the next one prefetched, and the norm+output unit kept gathered
         head = units.get("head", 0) if par.fsdp_reshard_after_forward != "always" else 0
@@ -139,6 +147,20 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     if dtype != torch.float32:
         buffers += largest_block * 4 // esize  # the block's reduce-scatter input in fp32
     return int(buffers * esize)
+
+
+def _pp_fsdp_held_grads(heavy: RankParams, reduce_dtype: torch.dtype, grad_accum: int) -> int:
+    """Gradients a PP rank under FSDP holds through its step. torch's pipeline stage turns
+    FSDP's gradient sync off for every microbatch's backward (`backward_maybe_with_nosync`:
+    `set_requires_gradient_sync(False)`) and reduces once after the last (`perform_reduce_grad`),
+    so every unit keeps its *unsharded* gradient across the step's microbatches, in the reduce
+    dtype (FSDP2 upcasts it to accumulate in); parameters outside FSDP (experts EP takes whole)
+    keep their own; and with gradient accumulation the sharded gradients of the earlier
+    accumulation steps stay too. About 24 GiB per rank on llama405b.toml (8 layers' fp32
+    gradients at TP 8), where the sharded ones are 3."""
+    unsharded = sum(heavy.unit_bytes.values()) * torch.tensor([], dtype=reduce_dtype).element_size()
+    outside = heavy.param_bytes - heavy.fsdp_param_bytes
+    return unsharded + outside + (heavy.fsdp_param_bytes if grad_accum > 1 else 0)
 
 
 def _skew(layout: Layout, device: str, ov: GpuOverheads) -> float | None:
@@ -205,8 +227,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     precision, stage_layers, dtype = facts.precision, facts.stage_layers, facts.dtype
     heavy = max(per_rank, key=lambda r: r.param_bytes)
     p_bytes = heavy.param_bytes
-    opt_states = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
-    grads, optimizer = p_bytes, opt_states * p_bytes
+    opt = optimizer_terms(cfg, heavy.matrices, p_bytes, device, _optimizer_impl(cfg, device))
+    grads, optimizer = p_bytes, opt.states
     offload = layout.fsdp and par.fsdp_cpu_offload
     if offload:
         notes.append("fsdp_cpu_offload: sharded params, grads and optimizer states live in host memory (not counted)")
@@ -249,6 +271,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     # grads alive before backward: none (zero_grad sets them to None), unless they
     # accumulate over microbatches (grad accumulation, PP).
     accum_grads = grads if (grad_accum > 1 or layout.pp > 1) else 0
+    if layout.pp > 1 and layout.fsdp and not offload:
+        accum_grads = _pp_fsdp_held_grads(heavy, precision.reduce, grad_accum)
     phases = {}
     # Autocast (no FSDP) caches the low-precision copy of every weight it casts until the
     # forward+loss region ends; blocks without AC save those copies anyway (counted above).
@@ -265,17 +289,19 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     if stage_layers and stage_layers[-1]:
         pr_last: BlockProbe = blocks.probes[blocks.kind_of[stage_layers[-1][-1]]]
         head_grad_live = heavy.head_param_bytes if layout.fsdp else head.weight_grad_bytes
+        if layout.pp > 1 and layout.fsdp:
+            head_grad_live = 0  # held unsharded with every unit's (`_pp_fsdp_held_grads`)
         worst_block = pr_last.backward_extra
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
-    opt_tmp = p_bytes if _optimizer_impl(cfg, device) == "foreach" else 0
+    opt_tmp = opt.step
     phases["optimizer step"] = grads + opt_tmp
     if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:
         notes.append(f"data_parallel_shard_degree -1 resolves to 1 on {world} ranks: no FSDP sharding (params, "
                      "grads and optimizer states are whole on every rank of the TP/PP group); pass --ngpu (e.g. "
                      "several nodes) to lay the config out with FSDP")
-    if offload:
-        phases["optimizer step"] = 0
+    if offload:  # Muon's assembly and NS still run on the device
+        phases["optimizer step"] = opt_tmp = opt.device_step
         p_bytes, grads, optimizer = 0, 0, 0
     if cfg.compile.enable:
         notes.append("compile.enable: counted as eager execution (the compiled blocks may keep less)")
@@ -303,7 +329,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         activations_per_block=per_block, activations=int(activations), loss_saved=int(head.saved),
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
         block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
-        notes=notes, device_terms=device_terms)
+        optimizer_states="Muon: 1, AdamW: 2 x fp32" if cfg.optimizer.name == "muon" else "AdamW: 2 x fp32",
+        notes=notes, device_terms=device_terms, held_grads=int(accum_grads))
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -328,9 +355,12 @@ def format_estimate(est: MemoryEstimate) -> str:
         "",
         f"  {'parameters (fp32, sharded)':<44}{fmt_bytes(est.params):>12}",
         f"  {'gradients (fp32, sharded)':<44}{fmt_bytes(est.grads):>12}",
-        f"  {'optimizer states (AdamW: 2 x fp32)':<44}{fmt_bytes(est.optimizer):>12}",
+        f"  {'optimizer states (' + est.optimizer_states + ')':<44}{fmt_bytes(est.optimizer):>12}",
         f"  {'FSDP gathered params / reduce buffers':<44}{fmt_bytes(est.fsdp_buffers):>12}",
     ]
+    if L.pp > 1 and L.fsdp:  # torch's pipeline stage turns FSDP's gradient sync off until the last microbatch
+        lines.append(f"  {'gradients held over the microbatches':<44}{fmt_bytes(est.held_grads):>12}  (PP x FSDP: "
+                     "unsharded)")
     for k, v in est.activations_per_block.items():
         lines.append(f"  {'activations per block (' + k + ')':<44}{fmt_bytes(v):>12}")
     lines += [

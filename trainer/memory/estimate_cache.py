@@ -128,8 +128,12 @@ def _relabel(p: RankParams, ids: dict) -> RankParams:
     def unit(k):
         return f"layers.{ids[int(k.split('.')[1])]}" if k.startswith("layers.") else k
 
-    return RankParams(p.param_bytes, {unit(k): v for k, v in p.unit_bytes.items()}, p.head_param_bytes,
-                      {ids[k]: v for k, v in p.matrix_numel.items()})
+    def name(k):  # a parameter of block K: renamed with its block
+        return f"layers.{ids[int(k.split('.')[1])]}.{k.split('.', 2)[2]}" if k.startswith("layers.") else k
+
+    return dataclasses.replace(p, unit_bytes={unit(k): v for k, v in p.unit_bytes.items()},
+                               matrix_numel={ids[k]: v for k, v in p.matrix_numel.items()},
+                               matrices={name(k): v for k, v in p.matrices.items()})
 
 
 class EstimateCache:

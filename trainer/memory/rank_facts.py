@@ -9,7 +9,7 @@ into an estimate, so the two can be compared byte for byte (tests/test_memory_ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -27,6 +27,7 @@ from trainer.memory.probes import (
     tensor_bytes,
     use_memory_probes,
 )
+from trainer.muon import clean_name
 
 # ---------------------------------------------------------------------------
 # Reading the assembled rank
@@ -40,6 +41,10 @@ class RankParams:
     unit_bytes: dict  # FSDP unit -> its gathered size in the compute dtype ("layers.K" units with nested ones)
     head_param_bytes: int  # local fp32 shards of the final norm + output head
     matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
+    fsdp_param_bytes: int = 0  # the part of param_bytes FSDP manages (its units' local shards)
+    # >= 2-D parameter (wrapper prefixes removed) -> (local shape, global shape, ranks sharding its
+    # last two dims): what the optimizer terms read (trainer/memory/optimizer_terms.py)
+    matrices: dict = field(default_factory=dict)
 
 
 def _layer_key(name: str) -> str:
@@ -70,26 +75,39 @@ def read_modules(part) -> dict[str, RankParams]:
         if name.startswith("layers.") and p.dim() == 2:
             lid = int(name.split(".")[1])
             r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + shard(p).numel()
+        if p.dim() >= 2:
+            r.matrices[clean_name(name)] = matrix_layout(p)
     for name, state in fsdp_states(part).items():
         # FSDP all-gathers each parameter's padded shard from every rank of its shard mesh.
-        gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
-                       for group in state._fsdp_param_groups for fp in group.fsdp_params)
+        fsdp_params = [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+        gathered = sum(fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size for fp in fsdp_params)
+        of(name).fsdp_param_bytes += tensor_bytes([fp.sharded_param for fp in fsdp_params])
         key = "head" if name in ("norm", "output") else _layer_key(name)
         units = of(name).unit_bytes
         units[key] = units.get(key, 0) + gathered
     return out
 
 
+def matrix_layout(p) -> tuple:
+    """(local shape, global shape, ranks among which each matrix is split) of a parameter."""
+    from parallelisms.muon_assembly import matrix_shard_ranks
+
+    return tuple(shard(p).shape), tuple(p.shape), matrix_shard_ranks(p)
+
+
 def merge_params(readings) -> RankParams:
     """The sum of several readings (modules of a part, parts of a rank)."""
     units: dict = {}
     matrix: dict = {}
+    matrices: dict = {}
     for r in readings:
+        matrices.update(r.matrices)
         for k, v in r.unit_bytes.items():
             units[k] = units.get(k, 0) + v
         for k, v in r.matrix_numel.items():
             matrix[k] = matrix.get(k, 0) + v
-    return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix)
+    return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix,
+                      sum(r.fsdp_param_bytes for r in readings), matrices)
 
 
 def read_params(parts) -> RankParams:

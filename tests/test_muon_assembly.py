@@ -1,0 +1,61 @@
+"""Muon's assembly under FSDP 2 x TP 2 on 4 gloo ranks (tests/muon_assembly_worker.py): each
+matrix is orthogonalised on exactly one rank (the NS matrices and FLOPs per rank counted),
+the results equal NS of the whole matrix on one rank, and params on equal meshes share
+one stack. End to end, Muon under FSDP 2 x TP 2 against one rank: tests/test_muon_layouts.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import torchrun
+from tests.muon_assembly_worker import LAYERS, STEPS
+from trainer.muon import ns_flops
+
+pytestmark = [pytest.mark.multirank]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("muon_assembly")
+    torchrun(4, [str(out)], timeout=240, module="tests.muon_assembly_worker")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_tp_splits_newton_schulz_over_every_rank(ranks):
+    # The column-wise layout is FSDP's strided shard over TP's (the case that used to gather FSDP).
+    assert ranks[0]["placements"] == {"col0": ["_S(0, 2)", "S(0)"], "row0": ["S(0)", "S(1)"]}
+    layouts: dict[str, list[int]] = {}
+    for o, i, _ in LAYERS.values():
+        key = f"{o}x{i}"
+        layouts[key] = [layouts.get(key, [0])[0] + 1, ns_flops(o, i, STEPS)]
+    for key, (count, flops) in layouts.items():
+        got = [r["received"].get(key, [0, 0]) for r in ranks]
+        # every matrix orthogonalised once in all (before: each column-wise one on both FSDP ranks)
+        assert sum(m for m, _ in got) == count, (key, got)
+        assert sum(f for _, f in got) == count * flops, (key, got)
+        # and spread: 4 matrices of a layout give each rank one, 3 give three ranks one
+        assert sorted(m for m, _ in got) == ([1, 1, 1, 1] if count == 4 else [0, 1, 1, 1]), (key, got)
+    total = sum(count * flops for count, flops in layouts.values())
+    per_rank = [sum(f for _, f in r["received"].values()) for r in ranks]
+    print(f"NS FLOPs per rank {per_rank}, one rank's total {total}")
+    assert sum(per_rank) == total and max(per_rank) <= 0.3 * total
+    assert max(r["err"] for r in ranks) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_equal_meshes_share_one_stack(ranks):
+    for r in ranks:
+        assert r["meshes_distinct"] and r["meshes_equal"]
+        assert r["twin_calls"] == [1], r  # one stack of 4 matrices, one per rank (by id(): two stacks)
+        assert r["twin_err"] <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_with_an_empty_shard_takes_part(ranks):
+    # FSDP2 gives a rank no rows when a dim is shorter than its chunks reach (576 rows on 256 ranks):
+    # that rank's stack is empty, yet it must join every all-to-all and get its empty result back.
+    assert sorted(r["empty_rows"][0] for r in ranks) == [0, 1, 1, 1]
+    assert all(r["empty_err"] <= 1e-5 for r in ranks)
