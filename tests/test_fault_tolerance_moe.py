@@ -1,7 +1,9 @@
 """torchft replica groups with MoE models, FSDP inside each group and Muon: real torchft, a real
 lighthouse, gloo, each launch under a hard timeout.
 
-- DeepSeek V3 debug (2 groups x 2 ranks, FSDP 2 inside) and Qwen3-MoE debug (2 groups x 1 rank)
+- DeepSeek V3 debug (2 groups x 2 ranks, FSDP 2 inside) and Qwen3-MoE debug (2 groups x 1 rank; its
+  per-layer batch-scope balance loss, and HF's loss pooled over the layers, `aux_loss_scope = "model"`,
+  whose pick counts are summed over the groups as over HSDP's data ranks)
   against plain HSDP on the same global batch, 10 steps: losses within 1e-5; every logged expert
   load equal to HSDP's, which sums the loads over all data ranks (a group that summed only its own
   moved its expert bias from its own data slice, and routing drifted apart between groups); at the
@@ -25,9 +27,10 @@ from tests.helpers import read_metrics
 
 SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
          "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2"]
-MODELS = {  # config, ranks per group
-    "deepseek": ("deepseek_debug.toml", 2),
-    "qwen3_moe": ("qwen3_moe_debug.toml", 1),
+MODELS = {  # config, ranks per group, extra arguments
+    "deepseek": ("deepseek_debug.toml", 2, []),
+    "qwen3_moe": ("qwen3_moe_debug.toml", 1, []),  # the debug flavor's per-layer batch-scope balance loss
+    "qwen3_pooled": ("qwen3_moe_debug.toml", 1, ["--moe.aux_loss_scope", "model"]),  # HF's, pooled over layers
 }
 
 
@@ -42,8 +45,8 @@ def test_moe_groups_keep_one_routing_and_match_hsdp(tmp_path):
     procs: dict[str, list[Proc]] = {}
     lighthouses = []
     try:
-        for name, (config, ranks) in MODELS.items():
-            args = ["--config", config, *SHORT, "--training.steps", "10"]
+        for name, (config, ranks, extra) in MODELS.items():
+            args = ["--config", config, *SHORT, *extra, "--training.steps", "10"]
             procs[f"{name}-hsdp"] = [Proc(["./run_train.sh", *args, "--parallelism.data_parallel_replicate_degree",
                                            "2", "--job.dump_folder", str(tmp_path / name / "hsdp")],
                                           {**ENV, "NGPU": str(2 * ranks)})]
@@ -61,7 +64,7 @@ def test_moe_groups_keep_one_routing_and_match_hsdp(tmp_path):
         for p in [*lighthouses, *(p for group in procs.values() for p in group)]:
             p.kill()
 
-    for name, (_, ranks) in MODELS.items():
+    for name, (_, ranks, _) in MODELS.items():
         hsdp_loss, hsdp_loads = losses(tmp_path / name / "hsdp"), _moe_metrics(tmp_path / name / "hsdp")
         assert sorted(hsdp_loss) == list(range(1, 11)) and hsdp_loads[10], name
         for g in (0, 1):
