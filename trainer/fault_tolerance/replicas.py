@@ -46,7 +46,7 @@ class StopRequested(Exception):
 
 
 class _GroupsAsBatchMesh:
-    """The live replica groups as one more data-parallel dimension of a batch-scope balance loss:
+    """The live replica groups as one more data-parallel dimension of a batch- or model-scope balance loss:
     its size is the groups in this step's quorum (a step without a group routes fewer sequences
     together), and its sum is the cross-group all-reduce (in the forward; garbage on a failed
     peer, which should_commit then refuses)."""
@@ -121,8 +121,9 @@ class ReplicaGroups:
             lighthouse_addr=address, replica_id=f"replica_{cfg.replica_id}", hostname=socket.gethostname(),
             init_sync=False)  # every group builds the same weights from training.seed
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
-        # A batch-scope MoE balance loss (Qwen3's) counts the picks of the whole global batch: the
-        # groups' batches too, as HSDP's data ranks do (parallelisms/sequence_shards.py).
+        # A batch- or model-scope MoE balance loss (Qwen3's; "model" pools every layer's picks) counts
+        # the picks of the whole global batch: the groups' batches too, as HSDP's data ranks do
+        # (parallelisms/sequence_shards.py).
         for part in trainer.model_parts:
             add_batch_shard_mesh(part, _GroupsAsBatchMesh(self))
         self._healed, self._healed_bytes = False, 0
