@@ -14,7 +14,9 @@ Then every case runs again in each of golden_cases.ENVIRONMENTS (this CPU as oth
 AVX2 and scalar kernels, MKL's AVX2 GEMMs), and the file records the largest relative spread
 from the curves per metric and step, the tolerance derived from it
 (`golden_cases.tolerance_from_spread`) and this command, which the test then applies.
-`--keep-curves` re-measures the spread of the committed curves without rewriting them.
+`--keep-curves` re-measures the spread of the committed curves without rewriting them, and refuses
+when this machine's own run no longer passes the check the test applies (a regression must not widen
+the tolerance that would catch it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.golden_cases import (BASE_RTOL, BY_NAME, CASES, ENVIRONMENTS, MAX_RTOL, RUN_ENV,  # noqa: E402
-                                SPREAD_MARGIN, case_args, first_divergence, git_commit, golden_path, load_golden,
+                                SPREAD_MARGIN, case_args, first_divergence, git_commit, golden_path, golden_rtol, load_golden,
                                 relative_spread, run_case, tolerance_from_spread)
 
 
@@ -75,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"update_golden.py: {case.name} has no golden to keep; run without --keep-curves",
                           file=sys.stderr)
                     return 2
+                # Re-measuring must not widen a tolerance to hide a regression: this machine's own run
+                # still has to pass the check the test applies before its spread is taken.
+                drift = first_divergence(case.name, got["native"], old["curves"], golden_rtol(old))
+                if drift:
+                    print(f"update_golden.py: --keep-curves: the code no longer reproduces {case.name} ({drift}); "
+                          "rewrite the curves (without --keep-curves) if the change is intended", file=sys.stderr)
+                    return 1
                 rec, curves = old, old["curves"]
                 rec.pop("tolerance", None)
                 change = "curves kept"

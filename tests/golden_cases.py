@@ -157,6 +157,8 @@ def run_case(case: Case, dump_folder: Path | str, timeout: int = 600,
 
     env = {**os.environ, **RUN_ENV, "PYTHONPATH": str(REPO), "NGPU": "1", "CUDA_VISIBLE_DEVICES": "",
            **(extra_env or {})}
+    if extra_env:  # inductor's cache does not key on the kernel capability: keep the emulated CPU's own
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(dump_folder) / "inductor-cache")
     proc = run_killing_group(["./run_train.sh", *case_args(case, dump_folder)], cwd=REPO, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name}: ./run_train.sh failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"

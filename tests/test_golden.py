@@ -222,3 +222,20 @@ def test_golden_check_fails_on_a_perturbed_run_at_its_first_step(perturb, tmp_pa
         assert msg is None, msg
     else:
         assert msg is not None and msg.startswith(f"{case.name}: step 1 loss "), msg
+
+
+def test_keep_curves_refuses_when_the_code_no_longer_reproduces_the_curve(monkeypatch, capsys):
+    """`update_golden.py --keep-curves` re-measures the spread around the committed curves; a
+    regression must not get in that way, by widening the tolerance that would catch it. The
+    runs are stubbed: the native run's step 2 loss is 1e-4 off, the emulated ones agree with it."""
+    import scripts.update_golden as update
+
+    name = "llama_debug_none"
+    golden = load_golden(name)["curves"]
+    drifted = {m: dict(c) for m, c in golden.items()}
+    drifted["loss"][2] *= 1 + 1e-4
+    monkeypatch.setattr(update, "run_case", lambda case, folder, extra_env=None: drifted)
+    before = golden_path(name).read_bytes()
+    assert update.main(["--case", name, "--keep-curves", "--reason", "x", "--workers", "1"]) == 1
+    assert f"no longer reproduces {name} ({name}: step 2 loss" in capsys.readouterr().err
+    assert golden_path(name).read_bytes() == before
