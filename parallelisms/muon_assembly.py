@@ -52,9 +52,6 @@ except ImportError:  # pragma: no cover
     _StridedShard = ()
 
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _is_strided(p) -> bool:
     return bool(_StridedShard) and isinstance(p, _StridedShard)
 
@@ -187,7 +184,7 @@ def _gather_rows(x: torch.Tensor, group, g: int, rows: int) -> torch.Tensor:
         send = x.new_zeros((c, *x.shape[1:]))
         send[:x.shape[0]].copy_(x)
     out = x.new_empty((g * c, *x.shape[1:]))
-    _all_gather(out, send, group=group)
+    dist.all_gather_into_tensor(out, send, group=group)
     return out[:rows]
 
 

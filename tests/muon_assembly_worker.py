@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.memory import LiveBytesTracker  # noqa: E402
+from trainer.memory.optimizer_terms import _muon_step  # noqa: E402
+from trainer.memory.rank_facts import matrix_layout  # noqa: E402
 from trainer.muon import newton_schulz, ns_flops  # noqa: E402
 
 # name -> (out, in, plan); the weight is [out, in]
@@ -59,13 +62,16 @@ def build(weights: dict, mesh, plan: str) -> torch.nn.Module:
     return model
 
 
-def run(params: list, updates: list, fn) -> list:
-    """This rank's result shard for each of `params`, given its update shards `updates`."""
+def run(params: list, updates: list, fn, out: list | None = None) -> list:
+    """This rank's result shard for each of `params`, given its update shards `updates`: copied
+    into `out` (tensors shaped like `updates`) where given, as Muon adds each to its weight and
+    keeps none; else the results themselves."""
     from parallelisms.muon_assembly import orthogonalize
 
-    out: list = [None] * len(params)
-    orthogonalize(params, updates.__getitem__, fn, out.__setitem__, torch.float32)
-    return out
+    kept: list = [None] * len(params)
+    orthogonalize(params, updates.__getitem__, fn, (lambda i, o: out[i].copy_(o)) if out else kept.__setitem__,
+                  torch.float32)
+    return out or kept
 
 
 def counted(meshes: dict, updates: dict, ns) -> dict:
@@ -86,9 +92,15 @@ def counted(meshes: dict, updates: dict, ns) -> dict:
             got[1] += x.shape[0] * ns_flops(*x.shape[-2:], STEPS)
             return ns(x)
 
-        out = run(params, [p.to_local().clone() for p in params], counting)
+        updates_here = [p.to_local().detach().clone() for p in params]
+        out = [torch.empty_like(u) for u in updates_here]
+        with LiveBytesTracker([*params, *updates_here, *out]) as tracker:
+            run(params, updates_here, counting, out)
+        # what the estimator counts for this step (the updates exist already: no Nesterov temporary)
+        predicted = _muon_step({n: matrix_layout(p) for n, p in zip(LAYERS, params)}, 4, nesterov=False)
         diffs = [(o - want.get_submodule(n).weight.to_local()).abs().max().item() for n, o in zip(LAYERS, out)]
         result[plan] = {"received": received, "err": max(diffs), "bitwise": max(diffs) == 0.0,
+                        "peak_bytes": tracker.peak, "predicted_bytes": predicted,
                         "placements": {n: [str(q) for q in given.get_submodule(n).weight.placements]
                                        for n in ("col0", "row0")}}
     return result

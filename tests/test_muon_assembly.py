@@ -43,6 +43,15 @@ def _ns_per_rank(ranks: list[dict], layout: str) -> list[int]:
     print(f"{layout}: NS FLOPs per rank {per_rank}, one rank's total {total}; max |diff| from one rank {max(errs):.2g}"
           f" (bitwise on every rank: {all(r['layouts'][layout]['bitwise'] for r in ranks)})")
     assert sum(per_rank) == total and max(per_rank) <= 0.3 * total
+    # Bytes its ops allocated at the peak (LiveBytesTracker; the updates and outputs exist before)
+    # against the estimator's Muon temporaries (its largest stack's phase). On these 5 x 7 to
+    # 12 x 8 matrices NS's per-matrix scalars and uneven chunks add up to 1.2x, and gloo may
+    # still hold a finished collective's buffers (random: up to 2.24x on one rank in 10 runs).
+    # One stack's NS dominates at this size, so the code before (every stack held) measured
+    # about the same here: tests/test_muon.py shows that difference, exactly.
+    peaks = [(r["layouts"][layout]["peak_bytes"], r["layouts"][layout]["predicted_bytes"]) for r in ranks]
+    print(f"{layout}: bytes allocated at the peak per rank (measured, estimated) {peaks}")
+    assert all(0.9 * est <= got <= 2.5 * est for got, est in peaks), peaks
     assert max(errs) <= 1e-5
     return per_rank
 
