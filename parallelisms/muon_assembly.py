@@ -4,37 +4,47 @@ Newton-Schulz orthogonalises a whole matrix: run on the shard a rank holds it co
 something else (the polar factor of a block is not a block of the polar factor). So the
 update of every sharded Muon parameter is assembled where it is orthogonalised, as
 DistMuon and Dion do, and only there, each matrix on exactly one rank of the mesh dims
-that shard it:
+that shard or replicate it:
 
 1. the updates of the parameters that share a layout (equal mesh, placements, global
    shape) are stacked: this rank's shards, [J, m_local, n_local] (J = K parameters x
-   their local leading dims);
-2. the mesh dims that shard a matrix dim (the last two) are undone one at a time,
+   their local leading dims). One stack at a time (`stacks`): it is built, orthogonalised
+   and handed back before the next is built, so the memory beyond the optimizer's state
+   is one stack's, not every update and result at once;
+2. mesh dims over which the stack is replicated (HSDP's replicate dim, a Replicate
+   DTensor) hold the same J rows on every member: member j keeps only the j-th chunk of
+   them (no traffic), so the replicas split the NS work instead of repeating it;
+3. the mesh dims that shard a matrix dim (the last two) are undone one at a time,
    innermost split first (`_levels`): over that mesh dim's group one all-to-all sends
-   member j the j-th chunk of the stack's J rows and receives, for this rank's chunk,
+   member j the j-th chunk of the stack's rows and receives, for this rank's chunk,
    every member's slice of the sharded dim. After the last level this rank holds about
-   J / ranks whole matrices, and no matrix is held twice. FSDP over a TP-sharded dim
-   (FSDP2's `_StridedShard`: FSDP splits each TP shard further) is one more level, the
-   innermost; it splits the work like any other (issue 30: gathering that dim instead
-   left every FSDP rank orthogonalising all of its TP rank's column-wise matrices);
-3. each rank runs NS on the matrices it holds;
-4. the same all-to-alls in reverse order send every rank its shard of every result back.
+   J / (replicas x ranks) whole matrices, and no matrix is held twice. FSDP over a
+   TP-sharded dim (FSDP2's `_StridedShard`: FSDP splits each TP shard further) is one
+   more level, the innermost; it splits the work like any other (issue 30: gathering
+   that dim instead left every FSDP rank orthogonalising all of its TP rank's column-wise
+   matrices);
+4. each rank runs NS on the matrices it holds;
+5. the same all-to-alls in reverse order send every rank its shard of its replica's
+   chunk of results back, then one all-gather per replicated mesh dim (innermost
+   first) gives it every replica's chunk: its shard of every result.
 
 Mesh dims that shard a leading (batch) dim stay as they are: under EP each rank holds
 whole experts (`Shard(0)` on [E, m, n]), and FSDP over the experts ("efsdp") shards the
-expert dim too, so expert matrices are orthogonalised where they live, with no traffic.
-Replicated mesh dims (HSDP's replicas) run the same NS on the same data. Under PP
-each stage's optimizer sees only its own parameters, so nothing crosses stages.
+expert dim too, so expert matrices are orthogonalised where they live, with no traffic
+(unless replicated: step 2 splits them too). Under PP each stage's optimizer sees only
+its own parameters, so nothing crosses stages.
 
 Shards follow DTensor's (and FSDP2's) chunk rule: a dim of size N over g ranks gives
 member j max(0, min(N, c (j + 1)) - c j) entries, c = ceil(N / g); so do the stack's rows.
 
 Bytes moved per step: at each level the all-to-all sends (g_l - 1) / g_l of a rank's
 local share of the stacked updates, once each way: 2 sum_l (g_l - 1) / g_l x (the Muon
-updates' bytes / the ranks sharding them), in NS's dtype (bf16 on GPU), against FSDP's
-own (g - 1) / g x (2 all-gathers + 1 reduce-scatter) of all parameters per rank:
+updates' bytes / the ranks sharding them) / R over R replicas, plus the replicas'
+all-gather, which receives (R - 1) / R x (the updates' bytes / the ranks sharding them),
+all in NS's dtype (bf16 on GPU), against FSDP's own (g - 1) / g x (2 all-gathers + 1
+reduce-scatter) of all parameters per rank:
 `python scripts/bench_muon.py bytes` prints both for real shapes (8B on FSDP 8: 0.07 of
-FSDP's). gloo and NCCL run the same all-to-alls.
+FSDP's; without replicas). gloo and NCCL run the same collectives.
 """
 
 from __future__ import annotations

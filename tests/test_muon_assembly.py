@@ -1,7 +1,9 @@
 """Muon's assembly on 4 gloo ranks (tests/muon_assembly_worker.py), under FSDP 2 x TP 2, HSDP
 2 x 2 and plain replication over 4: each matrix is orthogonalised on exactly one rank (the
 NS matrices and FLOPs per rank counted), the results equal NS of the whole matrix on one
-rank, and params on equal meshes share one stack. End to end, Muon under FSDP 2 x TP 2 against one rank: tests/test_muon_layouts.py."""
+rank, params on equal meshes share one stack, and the bytes the step allocates stay near
+the estimator's (one stack's). End to end, Muon under each layout against one rank:
+tests/test_muon_layouts.py."""
 
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ def _stack_peak(count: int, local: tuple, glob: tuple, ranks: int, replicas: int
     rows = count * lead
     taken = -(-rows // replicas)  # rows this rank's replica takes (the busiest)
     here = -(-taken // ranks)  # whole matrices this rank orthogonalises
-    stack, results = taken * a * esize, rows * a * esize
+    stack = taken * a * esize
+    results = (replicas * taken if replicas > 1 else rows) * a * esize  # the all-gather's padded output
     held = here * whole * esize
     one_param = lead * a * 4  # one parameter's fp32 shard
     phases = [stack + (one_param if nesterov else 0),
