@@ -10,7 +10,8 @@ shard 2; "replicate": the same weights replicated over all 4 ranks as DTensors):
 and NS FLOPs its `fn` received, per matrix shape, and the largest difference of its result
 shards from NS of the whole matrix on one rank (taken through the same layout). Then the
 grouping: four params on two equal but distinct mesh objects, which must make one stack (one
-`fn` call per rank); and a 3-row matrix over dp 2 then tp 2, which leaves one rank an empty shard.
+`fn` call per rank); and a 3-row matrix over dp 2 then tp 2, and 1-row ones under HSDP, which
+leave a rank an empty shard.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def counted(meshes: dict, updates: dict, ns) -> dict:
 
 def main(out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -129,16 +130,21 @@ def main(out_dir: str) -> None:
     twin_err = max((o - distribute_tensor(ns(full[k][None])[0], mesh, [Shard(0), Shard(1)]).to_local())
                    .abs().max().item() for k, o in enumerate(twin_out))
 
-    # An empty shard: 3 rows over dp 2 then tp 2 leave rank (dp 1, tp 1) none (chunks 2, 1 -> 1, 0).
-    thin = torch.randn(2, 3, 5)
-    rows = [distribute_tensor(thin[k], mesh, [Shard(0), Shard(0)]) for k in range(2)]
-    empty_out = run(rows, [t.to_local() for t in rows], ns)
-    empty_want = [distribute_tensor(ns(thin[k][None])[0], mesh, [Shard(0), Shard(0)]).to_local() for k in range(2)]
-    assert all(o.shape == w.shape for o, w in zip(empty_out, empty_want))
-    empty_err = max(((o - w).abs().max().item() if o.numel() else 0.0) for o, w in zip(empty_out, empty_want))
+    # An empty shard: 3 rows over dp 2 then tp 2 leave rank (dp 1, tp 1) none (chunks 2, 1 -> 1, 0);
+    # under HSDP, 1-row matrices leave shard rank 1 none, and 3 of them over 2 replicas x 2
+    # shards leave that rank's replica chunk of the stack's matrices short too.
+    empty_rows, empty_err = {}, 0.0
+    for name, m, place, full in (("fsdp_tp", mesh, [Shard(0), Shard(0)], torch.randn(2, 3, 5)),
+                                 ("hsdp", hsdp, [Replicate(), Shard(0)], torch.randn(3, 1, 5))):
+        rows = [distribute_tensor(full[k], m, place) for k in range(len(full))]
+        got = run(rows, [t.to_local() for t in rows], ns)
+        want = [distribute_tensor(ns(full[k][None])[0], m, place).to_local() for k in range(len(full))]
+        assert all(o.shape == w.shape for o, w in zip(got, want))
+        empty_err = max(empty_err, *(((o - w).abs().max().item() if o.numel() else 0.0) for o, w in zip(got, want)))
+        empty_rows[name] = rows[0].to_local().shape[0]
     result = {"layouts": layouts, "meshes_distinct": mesh2 is not mesh,
               "meshes_equal": mesh2 == mesh, "twin_calls": calls, "twin_err": twin_err,
-              "empty_rows": [t.to_local().shape[0] for t in rows], "empty_err": empty_err}
+              "empty_rows": empty_rows, "empty_err": empty_err}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -88,5 +88,6 @@ def test_equal_meshes_share_one_stack(ranks):
 def test_a_rank_with_an_empty_shard_takes_part(ranks):
     # FSDP2 gives a rank no rows when a dim is shorter than its chunks reach (576 rows on 256 ranks):
     # that rank's stack is empty, yet it must join every all-to-all and get its empty result back.
-    assert sorted(r["empty_rows"][0] for r in ranks) == [0, 1, 1, 1]
+    assert sorted(r["empty_rows"]["fsdp_tp"] for r in ranks) == [0, 1, 1, 1]
+    assert sorted(r["empty_rows"]["hsdp"] for r in ranks) == [0, 0, 1, 1]  # and replicas on top
     assert all(r["empty_err"] <= 1e-5 for r in ranks)
