@@ -29,6 +29,9 @@ ENV_KNOBS: dict[str, str] = {
                               "(a dry run without it uses the smallest world the config implies).",
     "TITAN_CHECKPOINT_CRASH_AT": "test hook: <point>[@<step>] SIGKILLs the process at that point of a checkpoint "
                                  "save (async_write, after_write, before_rename, after_aside) or at the end of a step (step_end).",
+    "TITAN_CHECKPOINT_HOLD_AT": "test hook: <point>@<step>=<file> makes the saving process create <file> at that "
+                                "point of a checkpoint save and wait there until the file is deleted (a save in "
+                                "progress, for tests/test_fault_tolerance_recovery.py).",
     "TITAN_AGENT_PID": "set by trainer.launch for its workers: the agent's pid; a worker dies with it.",
     "TITAN_LAUNCH_AGENT": "set by trainer.launch for its workers: a worker's one-line error goes to the agent, "
                           "which prints it once, instead of to the worker's own stderr.",

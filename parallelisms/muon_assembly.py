@@ -4,37 +4,47 @@ Newton-Schulz orthogonalises a whole matrix: run on the shard a rank holds it co
 something else (the polar factor of a block is not a block of the polar factor). So the
 update of every sharded Muon parameter is assembled where it is orthogonalised, as
 DistMuon and Dion do, and only there, each matrix on exactly one rank of the mesh dims
-that shard it:
+that shard or replicate it:
 
 1. the updates of the parameters that share a layout (equal mesh, placements, global
    shape) are stacked: this rank's shards, [J, m_local, n_local] (J = K parameters x
-   their local leading dims);
-2. the mesh dims that shard a matrix dim (the last two) are undone one at a time,
+   their local leading dims). One stack at a time (`stacks`): it is built, orthogonalised
+   and handed back before the next is built, so the memory beyond the optimizer's state
+   is one stack's, not every update and result at once;
+2. mesh dims over which the stack is replicated (HSDP's replicate dim, a Replicate
+   DTensor) hold the same J rows on every member: member j keeps only the j-th chunk of
+   them (no traffic), so the replicas split the NS work instead of repeating it;
+3. the mesh dims that shard a matrix dim (the last two) are undone one at a time,
    innermost split first (`_levels`): over that mesh dim's group one all-to-all sends
-   member j the j-th chunk of the stack's J rows and receives, for this rank's chunk,
+   member j the j-th chunk of the stack's rows and receives, for this rank's chunk,
    every member's slice of the sharded dim. After the last level this rank holds about
-   J / ranks whole matrices, and no matrix is held twice. FSDP over a TP-sharded dim
-   (FSDP2's `_StridedShard`: FSDP splits each TP shard further) is one more level, the
-   innermost; it splits the work like any other (issue 30: gathering that dim instead
-   left every FSDP rank orthogonalising all of its TP rank's column-wise matrices);
-3. each rank runs NS on the matrices it holds;
-4. the same all-to-alls in reverse order send every rank its shard of every result back.
+   J / (replicas x ranks) whole matrices, and no matrix is held twice. FSDP over a
+   TP-sharded dim (FSDP2's `_StridedShard`: FSDP splits each TP shard further) is one
+   more level, the innermost; it splits the work like any other (issue 30: gathering
+   that dim instead left every FSDP rank orthogonalising all of its TP rank's column-wise
+   matrices);
+4. each rank runs NS on the matrices it holds;
+5. the same all-to-alls in reverse order send every rank its shard of its replica's
+   chunk of results back, then one all-gather per replicated mesh dim (innermost
+   first) gives it every replica's chunk: its shard of every result.
 
 Mesh dims that shard a leading (batch) dim stay as they are: under EP each rank holds
 whole experts (`Shard(0)` on [E, m, n]), and FSDP over the experts ("efsdp") shards the
-expert dim too, so expert matrices are orthogonalised where they live, with no traffic.
-Replicated mesh dims (HSDP's replicas) run the same NS on the same data. Under PP
-each stage's optimizer sees only its own parameters, so nothing crosses stages.
+expert dim too, so expert matrices are orthogonalised where they live, with no traffic
+(unless replicated: step 2 splits them too). Under PP each stage's optimizer sees only
+its own parameters, so nothing crosses stages.
 
 Shards follow DTensor's (and FSDP2's) chunk rule: a dim of size N over g ranks gives
 member j max(0, min(N, c (j + 1)) - c j) entries, c = ceil(N / g); so do the stack's rows.
 
 Bytes moved per step: at each level the all-to-all sends (g_l - 1) / g_l of a rank's
 local share of the stacked updates, once each way: 2 sum_l (g_l - 1) / g_l x (the Muon
-updates' bytes / the ranks sharding them), in NS's dtype (bf16 on GPU), against FSDP's
-own (g - 1) / g x (2 all-gathers + 1 reduce-scatter) of all parameters per rank:
+updates' bytes / the ranks sharding them) / R over R replicas, plus the replicas'
+all-gather, which receives (R - 1) / R x (the updates' bytes / the ranks sharding them),
+all in NS's dtype (bf16 on GPU), against FSDP's own (g - 1) / g x (2 all-gathers + 1
+reduce-scatter) of all parameters per rank:
 `python scripts/bench_muon.py bytes` prints both for real shapes (8B on FSDP 8: 0.07 of
-FSDP's). gloo and NCCL run the same all-to-alls.
+FSDP's; without replicas). gloo and NCCL run the same collectives.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 try:  # the placement FSDP2 uses when it shards a dim that TP already shards
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -138,36 +148,101 @@ def _scatter_matrix_dim(y: torch.Tensor, group, me: int, dim: int, sizes: list[i
     return out.view(shape)
 
 
-def orthogonalize(updates: list[torch.Tensor], params: list[torch.Tensor],
-                  fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def replicate_dims(t: torch.Tensor) -> list[int]:
+    """The mesh dims (of size > 1) over which `t` is replicated: their ranks hold the same data."""
+    if not isinstance(t, DTensor):
+        return []
+    return [i for i, q in enumerate(t.placements) if isinstance(q, Replicate) and t.device_mesh.size(i) > 1]
+
+
+def matrix_replicas(t: torch.Tensor) -> int:
+    """The ranks among which the matrices of `t` are split because they hold the same ones (1: none)."""
+    return math.prod(t.device_mesh.size(i) for i in replicate_dims(t)) if replicate_dims(t) else 1
+
+
+def stacks(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `params` grouped into stacks: those sharded or replicated on equal layouts
+    (equal mesh, placements and global shape; equal meshes need not be the same object: FSDP
+    and the expert plans may build their own) share one; any other is a stack of its own.
+    In order of each stack's first member: every rank of a mesh has the same parameters in
+    the same order, so all visit the stacks that issue collectives in the same order."""
+    out: dict = {}
+    for i, p in enumerate(params):
+        shared = needs_assembly(p) or replicate_dims(p)
+        out.setdefault((p.device_mesh, tuple(p.placements), tuple(p.shape)) if shared else i, []).append(i)
+    return list(out.values())
+
+
+def _replica_rows(n: int, mesh, dims: list[int]) -> tuple[int, int, list[int]]:
+    """(first row, rows, rows before each split) of the stack's n rows this rank takes over the
+    replicated mesh dims, outermost first, by the chunk rule."""
+    lo, before = 0, []
+    for d in dims:
+        g, me = mesh.size(d), mesh.get_local_rank(d)
+        before.append(n)
+        lo += min(n, -(-n // g) * me)
+        n = chunk_size(n, g, me)
+    return lo, n, before
+
+
+def _gather_rows(x: torch.Tensor, group, g: int, rows: int) -> torch.Tensor:
+    """[chunk of rows, ...] on each of the g members -> [rows, ...]: their chunks in order
+    (padded to the largest chunk for one all-gather, then cut)."""
+    c = -(-rows // g)
+    send = x
+    if x.shape[0] != c:
+        send = x.new_zeros((c, *x.shape[1:]))
+        send[:x.shape[0]].copy_(x)
+    out = x.new_empty((g * c, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, send, group=group)
+    return out[:rows]
+
+
+def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn, apply,
+                         dtype: torch.dtype, device) -> None:
+    p = params[idx[0]]
+    local = p.to_local().shape if isinstance(p, DTensor) else p.shape
+    lead, matrix = math.prod(local[:-2]), local[-2:]
+    mesh, reps = (p.device_mesh, replicate_dims(p)) if isinstance(p, DTensor) else (None, [])
+    # The replicas hold the same stack: each takes a chunk of its rows (no traffic to split it).
+    lo, n, before = _replica_rows(len(idx) * lead, mesh, reps)
+    # [n, m_local, n_local]; n spelt out: a rank's shard of a matrix dim may be empty (9 rows on 4 ranks)
+    x = torch.empty((n, *matrix), dtype=dtype, device=device if device is not None else p.device)
+    for k, i in enumerate(idx):
+        u = update(i).reshape(lead, *matrix)  # every parameter's, for its momentum; its rows in range kept
+        a, b = max(lo, k * lead), min(lo + n, (k + 1) * lead)
+        if a < b:
+            x[a - lo:b - lo].copy_(u[a - k * lead:b - k * lead])  # in NS's dtype, on the training device
+        del u
+    levels = _levels(p) if needs_assembly(p) else []
+    rows = []
+    for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
+        rows.append(x.shape[0])
+        x = _gather_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
+    if x.shape[0]:  # [J_here, m, n]: whole matrices, each on this rank only
+        x = fn(x)
+    for (mesh_dim, dim, sizes), r in zip(levels, reversed(rows)):
+        x = _scatter_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes, r)
+    for d, r in zip(reversed(reps), reversed(before)):  # every replica's rows back, innermost split first
+        x = _gather_rows(x, mesh.get_group(d), mesh.size(d), r)
+    for k, i in enumerate(idx):
+        apply(i, x[k * lead:(k + 1) * lead].view(local))
+
+
+@torch.no_grad()  # gloo's all-gather writes into views of its output, which grad mode forbids
+def orthogonalize(params: list[torch.Tensor], update: Callable[[int], torch.Tensor],
+                  fn: Callable[[torch.Tensor], torch.Tensor], apply: Callable[[int, torch.Tensor], None],
+                  dtype: torch.dtype, device: torch.device | None = None) -> None:
     """`fn` ([B, m, n] -> [B, m, n], one result per matrix) applied to every whole matrix of
-    `updates` (plain local tensors: this rank's shard of each update, laid out like the
-    matching entry of `params`, a tensor or DTensor), each matrix on one rank of the mesh
-    dims that shard it. Returns this rank's local shard of each result, in order."""
-    out: list[torch.Tensor | None] = [None] * len(updates)
-    groups: dict = {}
-    for i, (u, p) in enumerate(zip(updates, params)):
-        if not needs_assembly(p):  # whole matrices already here (plain, replicated, or sharded on a leading dim)
-            out[i] = fn(u.reshape(-1, *u.shape[-2:])).reshape(u.shape)
-            continue
-        # Equal meshes (not the same object: FSDP and the expert plans may build their own) share a stack.
-        groups.setdefault((p.device_mesh, tuple(p.placements), tuple(p.shape)), []).append(i)
-    for (mesh, _, _), idx in groups.items():
-        levels = _levels(params[idx[0]])
-        local = updates[idx[0]].shape
-        # [J, m_local, n_local]; J spelt out: a rank's shard of a matrix dim may be empty (9 rows on 4 ranks)
-        x = torch.stack([updates[i] for i in idx]).reshape(len(idx) * math.prod(local[:-2]), *local[-2:])
-        rows = []
-        for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
-            rows.append(x.shape[0])
-            x = _gather_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
-        if x.shape[0]:  # [J_here, m, n]: whole matrices, each on this rank only
-            x = fn(x)
-        for (mesh_dim, dim, sizes), n in zip(levels, reversed(rows)):
-            x = _scatter_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes, n)
-        for i, shard in zip(idx, x.view(len(idx), *local)):
-            out[i] = shard
-    return out
+    the updates of `params` (tensors or DTensors), a stack (`stacks`) at a time, so that the
+    memory beyond the optimizer's state is one stack's: for each parameter of the stack,
+    `update(i)` gives this rank's local shard of the update of `params[i]` (laid out like
+    it), copied into the stack in `dtype` on `device` (None: the parameter's); each matrix
+    is orthogonalised on one rank of the mesh dims that shard or replicate it; then
+    `apply(i, result)` gets this rank's local shard of each result."""
+    for idx in stacks(params):
+        _orthogonalize_stack(params, idx, update, fn, apply, dtype, device)
 
 
-__all__ = ["orthogonalize", "needs_assembly", "matrix_shard_ranks", "chunk_size"]
+__all__ = ["orthogonalize", "stacks", "needs_assembly", "matrix_shard_ranks", "matrix_replicas", "replicate_dims",
+           "chunk_size"]

@@ -27,7 +27,9 @@ class SequenceShardCounts:
     `batch_meshes` (the data-parallel mesh, only for a batch-scope loss, whose one "sequence"
     is every token of the batch): their ranks hold other sequences of the same global batch,
     so they are slices too, and `batch_slices` tells the layer how many times more sequences
-    the union holds than this rank's forward."""
+    the union holds than this rank's forward. A batch mesh may also be any object with `size()`
+    and `all_reduce_sum(counts) -> counts`: torchft replica groups, which are no mesh
+    (trainer/fault_tolerance/replicas.py)."""
 
     def __init__(self) -> None:
         self.meshes: list = []
@@ -49,7 +51,8 @@ class SequenceShardCounts:
 
     def __call__(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         for mesh in self.meshes + self.batch_meshes:  # one [B, E] all-reduce per mesh: cp, tp, then dp
-            counts = funcol.all_reduce(counts, "sum", mesh)
+            counts = mesh.all_reduce_sum(counts) if hasattr(mesh, "all_reduce_sum") else \
+                funcol.all_reduce(counts, "sum", mesh)
         return counts, self.slices
 
 

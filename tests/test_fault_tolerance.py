@@ -1,7 +1,9 @@
 """torchft replica groups (trainer/fault_tolerance/): real torchft, a real lighthouse, gloo, the tiny
 model, each launch under a hard timeout.
 
-- 2 groups x 2 ranks (FSDP 2 inside each) equal plain HSDP (replicate 2 x shard 2) over 10 steps;
+- (2 groups x 2 ranks, FSDP 2 inside each, against plain HSDP: tests/test_fault_tolerance_moe.py, with
+  DeepSeek V3's MoE; two groups sharing checkpoints, restarts and preemption:
+  tests/test_fault_tolerance_recovery.py)
 - one of 2 groups is SIGKILLed at step 8 of 30 and restarted: the survivor logs every step, no step
   takes longer than the quorum timeout plus a normal step, the restarted group heals from the
   survivor and both end bitwise equal; up to the kill the curve is the no-failure curve;
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ft_helpers import ENV, STEP_LINE, Proc, losses, start_group, start_lighthouse
 from tests.helpers import REPO, free_port, read_metrics
 
 # The small debug model; log every step. The LR is flat after warmup (min_lr_factor 1), so the first
@@ -32,67 +35,7 @@ from tests.helpers import REPO, free_port, read_metrics
 COMMON = ["--config", "llama_debug.toml", "--model.flavor", "debug_small", "--training.seq_len", "64",
           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--optimizer.lr", "1e-3", "--training.steps", "10"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 QUORUM_TIMEOUT = 20
-STEP_LINE = re.compile(r"step +(\d+) \| loss +([\d.]+)")
-
-
-class Proc:
-    """A process group started in its own session; its output lines are kept with arrival times."""
-
-    def __init__(self, cmd: list[str], env: dict, on_line=None):
-        self.popen = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.on_line = on_line
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.popen.stdout:
-            self.lines.append((time.time(), line))
-            if self.on_line is not None:
-                self.on_line(line)
-
-    def kill(self):
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            rc = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"timed out after {timeout} s:\n{self.text()[-4000:]}") from None
-        self.reader.join(10)
-        return rc
-
-    def text(self) -> str:
-        return "".join(ln for _, ln in self.lines)
-
-
-def start_lighthouse(folder: Path, min_replicas: int) -> tuple[Proc, str]:
-    address_file = folder / "lighthouse"
-    proc = Proc([sys.executable, "-m", "trainer.fault_tolerance.lighthouse", "--port", "0", "--min-replicas",
-                 str(min_replicas), "--address-file", str(address_file)], ENV)
-    deadline = time.time() + 60
-    while not address_file.exists():
-        assert time.time() < deadline and proc.popen.poll() is None, proc.text()
-        time.sleep(0.1)
-    return proc, address_file.read_text().strip()
-
-
-def start_group(replica_id: int, nproc: int, args: list[str], env: dict | None = None, on_line=None) -> Proc:
-    return Proc([sys.executable, "-m", "trainer.launch", "--standalone", "--nnodes", "1", "--nproc-per-node",
-                 str(nproc), "-m", "trainer.train", *COMMON, *args, "--fault_tolerance.enable",
-                 "--fault_tolerance.replica_id", str(replica_id)], {**ENV, **(env or {})}, on_line)
-
-
-def losses(folder: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(folder)}
 
 
 @pytest.fixture(scope="module")
@@ -104,28 +47,6 @@ def hsdp_losses(tmp_path_factory) -> dict[int, float]:
                  "2", "--job.dump_folder", str(out)], {**ENV, "NGPU": "4"})
     assert proc.wait(400) == 0, proc.text()[-4000:]
     return losses(out)
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-@pytest.mark.timeout(600)
-def test_two_groups_of_fsdp2_equal_hsdp(tmp_path, hsdp_losses):
-    lighthouse, address = start_lighthouse(tmp_path, min_replicas=2)
-    args = ["--training.local_batch_size", "2", "--fault_tolerance.group_count", "2", "--fault_tolerance.min_replicas",
-            "2", "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(tmp_path / "ft")]
-    try:
-        groups = [start_group(g, 2, args) for g in (0, 1)]
-        for g in groups:
-            assert g.wait(400) == 0, g.text()[-4000:]
-    finally:
-        lighthouse.kill()
-    assert "dp_shard 2" in groups[0].text()  # FSDP 2 inside each group
-    for g in (0, 1):
-        records = read_metrics(tmp_path / "ft" / f"replica-{g}")
-        assert [r["step"] for r in records] == list(range(1, 11))
-        assert all(r["ft/groups"] == 2.0 for r in records)
-        for r in records:
-            assert r["loss"] == pytest.approx(hsdp_losses[r["step"]], rel=0, abs=1e-5), (g, r["step"])
 
 
 @pytest.mark.slow
@@ -143,12 +64,12 @@ def test_a_killed_group_costs_the_survivor_one_quorum_and_heals_from_it(tmp_path
     try:
         # The survivor sleeps 1.5 s per step after the kill, so that the restarted group (a fresh
         # Python + torch start, ~10-20 s on a loaded machine) comes back before step 30.
-        survivor = start_group(0, 1, args, {**env, "TITAN_TEST_SLOW_RANK": "0:1.5@9"})
-        victim = start_group(1, 1, args, env, on_line=lambda ln: STEP_LINE.search(ln) and
+        survivor = start_group(0, 1, [*COMMON, *args], {**env, "TITAN_TEST_SLOW_RANK": "0:1.5@9"})
+        victim = start_group(1, 1, [*COMMON, *args], env, on_line=lambda ln: STEP_LINE.search(ln) and
                              int(STEP_LINE.search(ln).group(1)) == 8 and at_step_8.set())
         assert at_step_8.wait(300), victim.text()[-4000:]
         victim.kill()  # kill -9, the launcher and its worker
-        restarted = start_group(1, 1, args, env)
+        restarted = start_group(1, 1, [*COMMON, *args], env)
         assert survivor.wait(400) == 0, survivor.text()[-4000:]
         assert restarted.wait(200) == 0, restarted.text()[-4000:]
     finally:
@@ -252,6 +173,9 @@ def test_run_train_starts_a_lighthouse_and_all_groups_resume_from_disk(tmp_path)
     (["--fault_tolerance.enable", "--parallelism.data_parallel_replicate_degree", "2"],
      "config error: parallelism.data_parallel_replicate_degree: 2 with fault_tolerance.enable"),
     (["--fault_tolerance.lighthouse", "nohost"], "config error: fault_tolerance.lighthouse: expected host:port"),
+    # a rank waiting heal_timeout for another group must not look hung to its own group
+    (["--fault_tolerance.enable", "--comm.train_timeout_seconds", "60"],
+     "config error: fault_tolerance.heal_timeout_seconds: 60 is not below the hang watch's bound of 55 s"),
 ])
 def test_bad_fault_tolerance_config_is_one_line(args, expected):
     from trainer.config import load_config
@@ -311,3 +235,49 @@ def test_the_lighthouse_exits_with_its_launcher_even_while_the_launcher_awaits_r
             proc.communicate()
             raise AssertionError("the lighthouse outlived its exited launcher and held the pipes open")
     assert proc.returncode == 0 and "lighthouse: serving at" in out, out
+
+
+def test_a_starting_group_repairs_only_its_own_checkpoint_leftovers(tmp_path):
+    """Replica groups share the checkpoint folder: a group's start finishes or removes only the temporary
+    folders it wrote itself (another group may be writing its save right now); without fault
+    tolerance the one writer repairs everything."""
+    from trainer.checkpoint_files import MANIFEST, recover
+
+    for name in ("step-4.replica-1.tmp", "step-8.replica-0.tmp", "step-2.replica-0.old", "step-6.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "step-8.replica-0.tmp" / ".metadata").write_bytes(b"m")
+    (tmp_path / "step-8.replica-0.tmp" / MANIFEST).write_text(json.dumps(
+        {"format": 1, "step": 8, "kind": "full", "files": {"__0_0.distcp": {"size": 1, "crc32": [0]}}}))
+    notes = recover(tmp_path, "replica-0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4.replica-1.tmp", "step-6.tmp", "step-8"]
+    assert len(notes) == 2, notes
+    recover(tmp_path)  # one writer (no fault tolerance): every leftover is its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-8"]
+
+
+def test_a_checkpoint_purged_while_a_group_reads_it_is_read_again_from_the_newest(tmp_path, monkeypatch, caplog):
+    """A restarting group reads the newest checkpoint while the live group commits a newer one and
+    purges the old one (keep_latest_k): the group reads the newest instead of stopping on a
+    'damaged' checkpoint (exit 2, which the SLURM script does not restart)."""
+    import shutil
+
+    import trainer.checkpoint_files as files
+    from tests.helpers import TINY, run_in_process
+
+    _, trainer = run_in_process([*TINY, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval",
+                                 "4", "--job.dump_folder", str(tmp_path)])
+    folder = tmp_path / "checkpoint"
+    real = files.verify_files
+
+    def live_group_saves_and_purges(path, manifest, names):
+        if path.name == "step-4":  # meanwhile: the live group commits step-6, then purges step-4
+            shutil.copytree(path, folder / "step-6")
+            shutil.rmtree(path)
+        return real(path, manifest, names)
+
+    monkeypatch.setattr(files, "verify_files", live_group_saves_and_purges)
+    trainer.checkpointer.writer = "replica-1"
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert trainer.checkpointer.load() == 4  # step-6 holds step 4's state here
+    assert "step-4 was replaced by a newer save of another replica group" in caplog.text

@@ -123,3 +123,31 @@ def test_culprit_is_the_silent_rank_else_the_one_behind():
                                         2: {**beat, "pid": 12, "step": 6, "phase": "forward/backward"}}, now)
     assert stopped == [] and line.startswith("hang: rank 2 (pid 12 on n1) stopped responding at step 6 in "
                                              "forward/backward for 10.0 s (its process is alive)"), line
+
+
+@pytest.mark.timeout(60)
+def test_the_watch_names_a_hang_before_the_collective_times_out():
+    """The watch reports a phase `watch_bound` seconds old, a lead before the collective's own timeout:
+    on NCCL the watchdog ends the process at the timeout with no line (TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
+    scripts/ft_trainer.slurm), so the one-line report must come first. A phase 8.5 s into a 10 s
+    timeout is reported at the watch's next beat (9.5 s), not at 10.5 s."""
+    from trainer.fault_tolerance.hang import watch_bound
+
+    assert (watch_bound(600), watch_bound(10)) == (595, 9)  # 5 s lead, at most 10% of the timeout
+
+    class Store:
+        def set(self, *_):
+            pass
+
+        def check(self, _):
+            return False
+
+    watch = HangWatch("/nonexistent", rank=0, world_size=2, timeout_s=lambda: TIMEOUT_S)
+    watch._store = Store()
+    reported: list[float] = []
+    watch._report = lambda error=None: (reported.append(time.time() - watch.phase_t0), watch._stop.set())
+    watch.phase_t0 = time.time() - (TIMEOUT_S - 1.5)
+    thread = threading.Thread(target=watch._run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert reported and watch_bound(TIMEOUT_S) <= reported[0] < TIMEOUT_S, reported

@@ -23,12 +23,12 @@ DEBUG = ["--config", "llama_debug.toml", "--data.type", "synthetic", "--metrics.
          "--loss.ce_chunk_size", "128"]
 
 
-def _check_rows(rows):
+def _check_rows(rows, peak_tol: float = 0.15):
     text = format_validation(rows)
     for r in rows:
         assert r["hwm_used"], text
         assert abs(r["saved_err"]) <= 0.05, text
-        assert abs(r["peak_err"]) <= 0.15, text
+        assert abs(r["peak_err"]) <= peak_tol, text
         assert abs(r["total_err"]) <= 0.15, text
     return text
 
@@ -60,15 +60,22 @@ def test_estimate_matches_a_real_step_two_rank_fsdp(tmp_path):
 @pytest.mark.timeout(500)
 def test_estimate_counts_muon_state_and_step(tmp_path):
     """Muon (trainer/muon.py): its momentum buffers are counted exactly (one fp32 copy of the
-    Muon matrices, AdamW's two moments on the rest), and its step's temporaries (updates and
-    results in NS's dtype, the assembly's stacks under FSDP, NS's own) are the peak phase at
-    seq 32 and agree with the measured step on one rank and on FSDP 2 (whose matrices are
-    assembled by all-to-all). Counting Muon's state as 0 and its step as AdamW's was 33% (one rank) and
-    55% (FSDP 2) low on the step, 42% and 55% on the total."""
+    Muon matrices, AdamW's two moments on the rest), and its step's temporaries (one stack at a
+    time: its updates, the assembly's buffers under FSDP, NS's own) are the peak phase at seq 32
+    and agree with the measured step on one rank and on FSDP 2 (whose matrices are assembled by
+    all-to-all). Counting Muon's state as 0 and its step as AdamW's was 33% (one rank) and 55%
+    (FSDP 2) low on the step, 42% and 55% on the total.
+
+    The step peak gets 25%, not 15%: since the step holds one stack, not every update, it is
+    small here (one rank: 23.5 MiB of gradients + 4.0 of Muon), and RSS grows 5.4-5.7 MiB
+    beyond the step's tensors in this config (LiveBytesTracker over the whole step: 27.51 MiB,
+    the estimate 27.5, RSS 32.9-33.2; before, 65.76 MiB of tensors, RSS 71.4). Muon's
+    temporaries alone are held to the bytes they allocate in tests/test_muon.py and
+    test_muon_assembly.py."""
     muon = ["--optimizer.name", "muon", "--training.seq_len", "32", "--training.local_batch_size", "1"]
     rows = validate_cases([ValidationCase("muon", DEBUG + muon), ValidationCase("muon-fsdp2", DEBUG + muon, nproc=2)],
                           str(tmp_path), timeout=450)
-    text = _check_rows(rows)
+    text = _check_rows(rows, peak_tol=0.25)
     print(text)
     for r in rows:
         assert r["est_persistent"] == r["meas_persistent"], (r["case"], text)

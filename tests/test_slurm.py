@@ -55,7 +55,7 @@ def _env(**extra: str) -> dict:
 def cluster():
     if os.geteuid() != 0:
         pytest.skip("the local SLURM cluster needs root (slurmd runs jobs as root, munged as munge)")
-    c = LocalSlurmCluster(nnodes=NNODES)
+    c = LocalSlurmCluster(nnodes=NNODES + 1)  # one node more: the spare of tests/test_slurm_ft.py
     try:
         t0 = time.time()
         try:

@@ -97,14 +97,19 @@ class Checkpointer:
     """Saves and restores the whole training state with torch.distributed.checkpoint."""
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, *, model_parts: list[torch.nn.Module],
-                 optimizers: list[torch.optim.Optimizer], lr_schedulers: list, dataloader: Any, dp_rank: int):
+                 optimizers: list[torch.optim.Optimizer], lr_schedulers: list, dataloader: Any, dp_rank: int,
+                 writer: str | None = None):
+        """`writer`: this job's name among several that share the folder (a torchft replica group,
+        "replica-<id>"): its temporary folders carry it, and its start repairs only those."""
         self.cfg = cfg
+        self.writer = writer
         self.folder = checkpoint_folder(cfg, dump_folder)
         self.model_parts, self.optimizers, self.lr_schedulers = model_parts, optimizers, lr_schedulers
         self.dataloader, self.dp_rank = dataloader, dp_rank
         self._pending: _PendingSave | None = None
         self._flagged: _PendingSave | None = None  # the pending save this step's busy flag is about
         self._saved_step: int | None = None  # the newest full save started (pending or committed)
+        self._reading: Path | None = None  # the checkpoint being loaded
         self._executor: ThreadPoolExecutor | None = None
         self._stager = None  # trainer/checkpoint_staging.py: cached (pinned on CUDA) host buffers
         self.last_save_seconds = 0.0
@@ -196,7 +201,7 @@ class Checkpointer:
 
     def _begin(self, step: int) -> tuple[Path, Path]:
         final = self.folder / f"step-{step}"
-        tmp = final.with_name(final.name + files.TMP)
+        tmp = files.temp_folder(final, self.writer)
         if global_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -261,7 +266,7 @@ class Checkpointer:
             merged = {name: entry for g in gathered for name, entry in g.items()}
             files.write_manifest(tmp, merged, step=step, kind=kind)
             files.crash_point("before_rename", step)
-            files.replace(tmp, final, step)
+            files.replace(tmp, final, step, self.writer)
             self._purge()
         _barrier()
 
@@ -355,13 +360,15 @@ class Checkpointer:
         or the all-gathered checksums) is set aside as step-N.corrupt and the one before loaded."""
         if self.cfg.enable:
             if global_rank() == 0:
-                for note in files.recover(self.folder):
+                for note in files.recover(self.folder, self.writer):
                     logger.info(f"checkpoint: {note}")
             _barrier()
         while True:
             try:
                 return self._load_newest()
             except CheckpointError as e:
+                if self._superseded():
+                    continue
                 if not files.falls_back(self.folder, e, self.cfg.on_corrupt, self.cfg.load_step):
                     raise
                 _barrier()  # every rank has looked at the folder before it moves
@@ -372,8 +379,27 @@ class Checkpointer:
                                    "complete checkpoint before it (checkpoint.on_corrupt = fallback)")
                 _barrier()
 
+    def _superseded(self) -> bool:
+        """Collective: the checkpoint this group failed to read was replaced by a newer one meanwhile.
+        Several writers (replica groups) share the folder: a live group may commit a save and purge
+        the oldest (keep_latest_k) while a restarting group reads it; then the newest is read again."""
+        failed = self._reading
+        if self.writer is None or failed is None or self.cfg.load_step >= 0:
+            return False
+        try:
+            newer = self.resume_path() not in (None, failed)
+        except CheckpointError:
+            newer = False
+        if not any(_all_gather(newer)):
+            return False
+        if global_rank() == 0:
+            logger.warning(f"checkpoint: {failed.name} was replaced by a newer save of another replica group while "
+                           "this group read it; reading the newest")
+        return True
+
     def _load_newest(self) -> int:
         path = self.resume_path() if self.cfg.enable else None
+        self._reading = path
         if path is None:
             if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
                 self.load_model_only(Path(self.cfg.initial_load_path))
@@ -393,10 +419,12 @@ class Checkpointer:
         self._check_model_matches(path, metadata, state["model"])
         state = {k: v for k, v in state.items() if k in top}
         dl_key = f"dataloader_dp{self.dp_rank}"
-        if self.dataloader is not None and dl_key not in top and "dataloader_dp0" in top:
-            # Resuming onto more data-parallel ranks than were saved: this rank has no state of its
-            # own. dp rank 0's position is a global batch index, which the loader remaps to this rank.
-            dl_key = "dataloader_dp0"
+        saved_slices = sorted(int(k.removeprefix("dataloader_dp")) for k in top if k.startswith("dataloader_dp"))
+        if self.dataloader is not None and dl_key not in top and saved_slices:
+            # No state of this rank's own: more data-parallel ranks than were saved, or a replica group
+            # that was away when another group saved. Every slice's position is the same global batch
+            # index, which the loader maps to this rank's slice: take the lowest one saved.
+            dl_key = f"dataloader_dp{saved_slices[0]}"
             state[dl_key] = self.dataloader.state_dict()
         self._dcp_load(state, path)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)

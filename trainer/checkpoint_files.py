@@ -15,7 +15,14 @@ Life of a save, and what a crash at each point leaves (the next start repairs it
     6. delete step-N.old
 
 So a `step-N` folder is never a mix of two saves, and no crash loses a save that passed
-its commit point. Before this protocol, replacing step-N was rmtree + rename, and a
+its commit point.
+
+Who may repair: only the writer, its own leftovers. Under fault tolerance several replica
+groups share the folder and any one of them may be the writer, so its temporary folders
+carry its name (`temp_folder`: step-N.replica-1.tmp, step-N.replica-1.old) and a group
+that starts repairs only its own: a group restarting beside a live one used to delete the
+live group's save in progress (a `.tmp` without a manifest yet). Without fault tolerance
+there is one writer, the job, and its start repairs every leftover. Before this protocol, replacing step-N was rmtree + rename, and a
 SIGKILL in between left a step-N with only `.metadata`, which the loader took as complete.
 
 Why CRC32 in blocks: zlib.crc32 runs at ~1.2 GB/s on one core of a slow CPU (faster with
@@ -39,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,21 +55,30 @@ from configuration.fields import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP, OLD = ".tmp", ".old"
+# step-N[.<writer>].tmp / .old: a save in progress, or the copy it replaces, of one writer.
+LEFTOVER = re.compile(r"^(step-\d+)(?:\.([A-Za-z0-9_-]+))?(\.tmp|\.old)$")
 MANIFEST = "manifest.json"
 BLOCK_BYTES = 64 * 2**20
 CRASH_ENV = "TITAN_CHECKPOINT_CRASH_AT"
+HOLD_ENV = "TITAN_CHECKPOINT_HOLD_AT"
 
 
 def crash_point(name: str, step: int) -> None:
-    """Test hook: SIGKILL this process at `name` when TITAN_CHECKPOINT_CRASH_AT asks for it."""
+    """Test hooks: SIGKILL this process at `name` when TITAN_CHECKPOINT_CRASH_AT asks for it; hold it
+    there while a file exists when TITAN_CHECKPOINT_HOLD_AT=<point>@<step>=<file> does (the process
+    creates the file; the test deletes it to let the save go on)."""
     from configuration.environment import env_value
 
     want = env_value(CRASH_ENV)
-    if not want:
-        return
     point, _, at = want.partition("@")
-    if point == name and (not at or int(at) == step):
+    if want and point == name and (not at or int(at) == step):
         os.kill(os.getpid(), signal.SIGKILL)
+    hold, _, path = env_value(HOLD_ENV).partition("=")
+    if hold == f"{name}@{step}":
+        Path(path).touch()
+        deadline = time.monotonic() + 600
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 class CheckpointError(RuntimeError):
@@ -190,9 +207,14 @@ def kind_of(path: Path) -> str:
     return "full" if any(k.startswith("optimizer") for k in keys) else "model"
 
 
-def replace(tmp: Path, final: Path, step: int) -> None:
+def temp_folder(final: Path, writer: str | None, suffix: str = TMP) -> Path:
+    """step-N.tmp (or .old), or step-N.<writer>.tmp when several writers share the folder."""
+    return final.with_name(f"{final.name}.{writer}{suffix}" if writer else final.name + suffix)
+
+
+def replace(tmp: Path, final: Path, step: int, writer: str | None = None) -> None:
     """Steps 4-6: the committed `tmp` becomes `final`; an older `final` is never half-deleted."""
-    old = final.with_name(final.name + OLD)
+    old = temp_folder(final, writer, OLD)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -201,23 +223,28 @@ def replace(tmp: Path, final: Path, step: int) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def recover(folder: Path) -> list[str]:
-    """Finishes or discards what a crash left (rank 0, at start); returns one log line per fix."""
+def recover(folder: Path, writer: str | None = None) -> list[str]:
+    """Finishes or discards what a crash left (rank 0, at start); returns one log line per fix.
+    `writer` None: every leftover (one writer: the job). A name: only that writer's own, which
+    no one else is writing (another writer's save may be in progress right now)."""
     notes: list[str] = []
     if not folder.is_dir():
         return notes
+    mine = []
     for p in sorted(folder.iterdir()):
-        if p.name.endswith(TMP) and STEP_DIR.match(p.name[: -len(TMP)]) and p.is_dir():
-            final = p.with_name(p.name[: -len(TMP)])
+        m = LEFTOVER.match(p.name)
+        if m and p.is_dir() and (writer is None or m.group(2) == writer):
+            mine.append((p, folder / m.group(1), m.group(2), m.group(3)))
+    for p, final, tag, kind in mine:
+        if kind == TMP:
             if (p / MANIFEST).is_file() and is_complete(p):
-                replace(p, final, -1)
+                replace(p, final, -1, tag)
                 notes.append(f"{final.name}: finished a commit that a crash interrupted")
             else:
                 shutil.rmtree(p, ignore_errors=True)
                 notes.append(f"{p.name}: removed an unfinished save")
-    for p in sorted(folder.iterdir()):
-        if p.name.endswith(OLD) and STEP_DIR.match(p.name[: -len(OLD)]) and p.is_dir():
-            final = p.with_name(p.name[: -len(OLD)])
+    for p, final, tag, kind in mine:
+        if kind == OLD and p.is_dir():
             if final.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -28,6 +28,9 @@ nothing left to save, and with SIGTERM held they would only wait on their dead p
 A hang: a worker that found a peer stopped responding (trainer/fault_tolerance/hang.py) exits 3 with its
 one line in the same error file; the agent prints that line once and exits 3 (HANG_EXIT).
 
+A torchft replica group stopped by a stop signal exits 75 (`trainer.preemption.PREEMPTED_EXIT`,
+after the saving group's checkpoint); the agent says so in one line and exits 75.
+
 Failures: a worker that exits 2 has met a user error and recorded its one line
 (`trainer.errors`); the agent prints that line once, unprefixed, and exits 2, instead of
 torchrun's ChildFailedError report. A crash (any other exit code, or a signal) gets a
@@ -48,6 +51,7 @@ import threading
 from pathlib import Path
 
 from trainer.errors import AGENT_ENV, HANG_KEY, USER_ERROR_EXIT, USER_ERROR_KEY
+from trainer.preemption import PREEMPTED_EXIT
 
 HANG_EXIT = 3  # trainer.fault_tolerance.hang.HANG_EXIT (not imported: that module imports torch-side code lazily only)
 
@@ -159,7 +163,7 @@ class _QuietUserErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         return not (f"exitcode: {USER_ERROR_EXIT})" in msg or f"exitcode: {HANG_EXIT})" in msg
-                    or "closing signal" in msg)
+                    or f"exitcode: {PREEMPTED_EXIT})" in msg or "closing signal" in msg)
 
 
 def _shown_local_ranks(argv: list[str]) -> set[int] | None:
@@ -201,6 +205,9 @@ def report_failure(err, argv: list[str]) -> int:
             print(line, file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
     rank, failure = failures[0]
+    if failure.exitcode == PREEMPTED_EXIT:  # a replica group stopped on a signal, its state saved: not a crash
+        _log(f"the workers stopped on a stop signal (exit {PREEMPTED_EXIT}: run again to resume)")
+        return PREEMPTED_EXIT
     info = _error_info(failure)
     if failure.exitcode < 0:
         _log(f"rank {rank} was killed by {failure.signal_name()} (out of memory, or killed from outside)")

@@ -133,22 +133,27 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        updates = []
-        for p in params:
+
+        def update(i: int) -> torch.Tensor:
+            p = params[i]
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             g, buf = _local(p.grad), _local(state["momentum_buffer"])
             buf.mul_(mu).add_(g)  # elementwise: shard-local is exact
-            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            # NS's precision (bf16 halves the assembly bytes), on the training device
-            updates.append(u.to(device=self.device or u.device, dtype=self.ns_dtype, copy=True))
-        ns = lambda x: newton_schulz(x, group["ns_steps"], self.ns_dtype)  # noqa: E731
-        for p, o in zip(params, orthogonalize(updates, params, ns)):
+            return g.add(buf, alpha=mu) if group["nesterov"] else buf
+
+        def apply(i: int, o: torch.Tensor) -> None:
+            p = params[i]
             w = _local(p)
             if wd:
                 w.mul_(1.0 - lr * wd)
             w.add_(o.to(w.device, w.dtype), alpha=-lr * update_scale(p.shape, group["scale_mode"], group["rms_factor"]))
+
+        # One stack of updates at a time (built in NS's precision on the training device: bf16
+        # halves the assembly bytes), orthogonalised and applied before the next is built.
+        ns = lambda x: newton_schulz(x, group["ns_steps"], self.ns_dtype)  # noqa: E731
+        orthogonalize(params, update, ns, apply, self.ns_dtype, self.device)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -30,6 +30,12 @@ import sys
 from configuration.environment import env_value, global_rank
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A torchft replica group stopped by a stop signal exits with this code (EX_TEMPFAIL: "try again"),
+# after the saving group's checkpoint, so that scripts/ft_trainer.slurm tells it from a group that
+# finished: the script requeues the job when the whole job was told to stop, and restarts the group
+# alone otherwise. Without fault tolerance a stopped run exits 0 and leaves TITAN_PREEMPT_MARKER,
+# which scripts/multinode_trainer.slurm reads.
+PREEMPTED_EXIT = 75
 
 
 def die_with_the_agent() -> None:
@@ -63,6 +69,7 @@ def ignore_stop_signals_at_exit() -> None:
 class PreemptionHandler:
     def __init__(self) -> None:
         self.signal_received: int | None = None
+        self.stopped_at: int | None = None  # the step the run stopped after, on a stop signal
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
         ignore_stop_signals_at_exit()
@@ -79,6 +86,7 @@ class PreemptionHandler:
 
     def mark_preempted(self, step: int) -> None:
         """Tells a launcher (e.g. the SLURM script) that the run stopped early and should be requeued."""
+        self.stopped_at = step
         marker = env_value("TITAN_PREEMPT_MARKER")
         if marker and global_rank() == 0:
             tmp = marker + ".tmp"

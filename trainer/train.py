@@ -31,8 +31,9 @@ from trainer.config import DEFAULT_TOKENIZER, JobConfig, main_guard, print_model
 from configuration.fields import ConfigError
 from configuration.environment import global_rank
 from trainer.errors import report_user_error, run_entry_point
-from trainer.fault_tolerance.config import data_slice, log_folder
+from trainer.fault_tolerance.config import checkpoint_writer, data_slice, log_folder
 from trainer.fault_tolerance.hang import HangWatch, inject_test_faults
+from trainer.fault_tolerance.replicas import StopRequested
 from models.hf_config import read_hf_config
 from trainer.hf_io import load_hf_weights
 from trainer.loss import TokenNormalizedLoss, chunked_ce_labels, count_tokens, install_chunked_ce_head
@@ -40,7 +41,7 @@ from trainer.metrics import MetricsLogger, StragglerMonitor, attention_flops_per
 from trainer.layout import batch_layout
 from trainer.model_args import check_tokenizer_fits, model_label, tokenizer_path
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.preemption import PreemptionHandler
+from trainer.preemption import PREEMPTED_EXIT, PreemptionHandler
 from trainer.profiling import MemorySnapshotter, maybe_profile
 from trainer.step_guard import StepGuard
 from trainer.validation import build_validator, training_holdout
@@ -128,7 +129,8 @@ class Trainer:
         self.lr_schedulers = [build_lr_scheduler(o, t.steps, cfg.lr_scheduler) for o in self.optimizers]
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, model_parts=self.model_parts,
                                          optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
-                                         dataloader=self.dataloader, dp_rank=self.dp_rank)
+                                         dataloader=self.dataloader, dp_rank=self.dp_rank,
+                                         writer=checkpoint_writer(cfg))
         if cfg.checkpoint.create_seed_checkpoint:
             if tdist.world_size() != 1:
                 raise ConfigError("config error: checkpoint.create_seed_checkpoint: run it with one process "
@@ -343,7 +345,11 @@ class Trainer:
         with maybe_profile(cfg.profiling, cfg.job.dump_folder, self.rank, self.step) as profiler:
             while self.step < t.steps:
                 with self.watch.phase("fault tolerance: quorum"):
-                    healed = self.ft is not None and self.ft.start_step()
+                    try:
+                        healed = self.ft is not None and self.ft.start_step()
+                    except StopRequested:  # a stop signal while no quorum formed: stop at this boundary
+                        self.stop_on_signal()
+                        break
                 if healed and self.step >= t.steps:  # healed: this group stands at a live peer's step
                     break
                 self.step += 1
@@ -398,12 +404,21 @@ class Trainer:
                 self.watch.at("between steps")
                 self.stragglers.end_step()
                 if not last and result.stop:
-                    logger.info(f"preemption signal received: saving a checkpoint at step {self.step} and exiting")
-                    if cfg.checkpoint.enable:
-                        self.checkpointer.save(self.step, force_sync=True)
-                    self.preemption.mark_preempted(self.step)
+                    self.stop_on_signal()
                     break
         return losses
+
+    def stop_on_signal(self) -> None:
+        """A stop signal (preemption), agreed by every rank: save this step and stop. Under fault
+        tolerance only the saving group writes (the groups share one folder and hold the same
+        state); every group then exits with the requeue code (`main`)."""
+        saves = self.cfg.checkpoint.enable and (self.ft is None or self.ft.is_saving_group())
+        logger.info(f"preemption signal received: {'saving a checkpoint' if saves else 'stopping'} at step "
+                    f"{self.step} and exiting" + ("" if saves or not self.cfg.checkpoint.enable else
+                                                  " (another replica group saves)"))
+        if saves:
+            self.checkpointer.save(self.step, force_sync=True)
+        self.preemption.mark_preempted(self.step)
 
     def close(self, destroy_process_group: bool = True) -> None:
         """Finishes pending saves and flushes metrics. Test drivers that run several
@@ -434,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     finally:
         trainer.close()
-    return 0
+    # A replica group stopped by a preemption signal says so (scripts/ft_trainer.slurm requeues or restarts it).
+    return PREEMPTED_EXIT if trainer.preemption.stopped_at is not None and cfg.fault_tolerance.enable else 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,15 @@ def update_moe_load_balance_bias(model: nn.Module | Iterable[nn.Module], coeff: 
     return counts
 
 
+def moe_load_counters(model: nn.Module | Iterable[nn.Module]) -> list[torch.Tensor]:
+    """Every MoE layer's `tokens_per_expert` (int64 [E]: its picks since the last bias update),
+    in `moe_layers` order. For a caller that must sum the loads over ranks outside the model's
+    mesh before `moe_post_optimizer_step` adds the mesh's share: torchft replica groups sum them
+    across the groups, in place (trainer/fault_tolerance/replicas.py); a sum in either order
+    is the global load, so every replica of a layer moves its bias the same way."""
+    return [m.tokens_per_expert for m in moe_layers(model)]
+
+
 @torch.no_grad()
 def discard_moe_loads(model: nn.Module | Iterable[nn.Module]) -> None:
     """Zeroes every MoE layer's load counters without a bias update: the optimizer step they

@@ -52,7 +52,9 @@ class FaultToleranceConfig:
     quorum_timeout_seconds: int = opt(60, "How long a step waits for the quorum (all live groups joining). A dead "
                                       "group costs the survivors at most about this once.", min=1)
     heal_timeout_seconds: int = opt(60, "Timeout of the cross-group collectives, the should-commit vote and the "
-                                    "state transfer that heals a restarted group.", min=1)
+                                    "state transfer that heals a restarted group. Must stay below "
+                                    "comm.train_timeout_seconds less the hang watch's lead (checked at start), or a "
+                                    "rank waiting for another group would be taken for hung by its own.", min=1)
     connect_timeout_seconds: int = opt(10, "How long the start waits for the lighthouse to answer before the "
                                        "run stops with one line naming its address.", min=1)
 
@@ -70,6 +72,15 @@ class FaultToleranceConfig:
             raise ConfigError(f"config error: fault_tolerance.min_replicas: {self.min_replicas} exceeds "
                               f"fault_tolerance.group_count {self.group_count}; no step could ever commit, lower "
                               "min_replicas or raise group_count")
+        from trainer.fault_tolerance.hang import watch_bound
+
+        bound = watch_bound(root.comm.train_timeout_seconds)
+        if self.heal_timeout_seconds >= bound:
+            raise ConfigError(f"config error: fault_tolerance.heal_timeout_seconds: {self.heal_timeout_seconds} is not "
+                              f"below the hang watch's bound of {bound:g} s (comm.train_timeout_seconds "
+                              f"{root.comm.train_timeout_seconds}, less its lead); a rank that waits that long for "
+                              "another group would be taken for hung by its own group, which would crash; raise "
+                              "comm.train_timeout_seconds or lower heal_timeout_seconds")
         if self.replica_id >= self.group_count:
             raise ConfigError(f"config error: fault_tolerance.replica_id: {self.replica_id} is not below "
                               f"fault_tolerance.group_count {self.group_count}; groups are numbered from 0")
@@ -89,3 +100,11 @@ def log_folder(root) -> str:
     Checkpoints stay in the shared <dump>/checkpoint, written by one group (replicas.py)."""
     ft = root.fault_tolerance
     return f"{root.job.dump_folder}/replica-{ft.replica_id}" if ft.enable else root.job.dump_folder
+
+
+def checkpoint_writer(root) -> str | None:
+    """The name this job's temporary checkpoint folders carry (trainer/checkpoint_files.py): the
+    replica groups share <dump>/checkpoint and each may be the one that saves, so each repairs
+    only its own leftovers at start. None without fault tolerance: the job is the one writer."""
+    ft = root.fault_tolerance
+    return f"replica-{ft.replica_id}" if ft.enable else None

@@ -10,7 +10,8 @@ but behind in steps or in another phase is stuck in its own work.
 Detection happens after step 1 (start-up runs under comm.init_timeout_seconds), when a
 phase has lasted the collective timeout (`trainer.distributed.current_collective_timeout`,
 so a checkpoint save's longer bound counts), whichever comes first of: the watch thread
-seeing it, or the collective raising its timeout in the main thread. The first rank to
+seeing it (a few seconds before the timeout, `watch_bound`, so that it also beats NCCL's
+watchdog), or the collective raising its timeout in the main thread. The first rank to
 detect it writes the one line
 
     hang: rank 1 (pid 1234 on node7) stopped responding at step 9 (no heartbeat for 15.2 s; last seen
@@ -44,6 +45,15 @@ logger = logging.getLogger("trainer")
 HANG_EXIT = 3  # documented in docs/failure_handling.md; the launcher passes it on
 BEAT_S = 1.0
 STALE_S = 4.0  # a heartbeat older than this (4 missed beats) means the whole process stopped
+# The watch names a hang this long before the collective's own timeout (at most 10% of it): on NCCL
+# the watchdog tears the process down at the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=1), with no
+# one line, so the watch must come first. On gloo it only beats the main thread's exception.
+LEAD_S = 5.0
+
+
+def watch_bound(timeout_s: float) -> float:
+    """Seconds a phase may last before the watch reports it: the collective timeout minus the lead."""
+    return timeout_s - min(LEAD_S, 0.1 * timeout_s)
 _PREFIX = "titan_hang/"
 
 
@@ -93,7 +103,16 @@ class HangWatch:
 
     def at(self, name: str) -> None:
         """The main thread enters `name` (a part of the loop outside any `phase` block)."""
+        self._halt_if_reported()
         self.phase_name, self.phase_t0 = name, time.time()
+
+    def _halt_if_reported(self) -> None:
+        """The watch thread is reporting a hang and will end the process: the main thread goes no
+        further. (Taking a stopped peer's stack resumes it, which can let the collective this rank
+        waited in complete; it must not then train on while the report is written.)"""
+        if self._reported and threading.current_thread() is threading.main_thread():
+            while True:
+                time.sleep(1)
 
     class _Phase:
         def __init__(self, watch: "HangWatch", name: str):
@@ -101,6 +120,7 @@ class HangWatch:
 
         def __enter__(self):
             w = self.watch
+            w._halt_if_reported()
             self.prev = (w.phase_name, w.phase_t0)
             w.phase_name, w.phase_t0 = self.name, time.time()
 
@@ -157,7 +177,7 @@ class HangWatch:
                 if self._store.check([f"{_PREFIX}line"]):
                     self._report()
                 elapsed = time.time() - self.phase_t0
-                if elapsed >= self.timeout_s():
+                if elapsed >= watch_bound(self.timeout_s()):
                     self._report()
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
                 if self._stop.is_set():

@@ -27,7 +27,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _tensors_of(part: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def tensors_of(part: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*part.named_parameters(), *part.named_buffers()]
 
 
@@ -71,7 +71,7 @@ def capture(trainer) -> dict[str, Any]:
     return {
         "step": trainer.step,
         "model": [[t.detach() if not isinstance(t, DTensor) else t._local_tensor.detach()
-                   for _, t in _tensors_of(part)] for part in trainer.model_parts],
+                   for _, t in tensors_of(part)] for part in trainer.model_parts],
         "optimizers": [_optimizer_state(o) for o in trainer.optimizers],
         # The rate the next step uses lives in the param groups (the schedule writes it there on its step).
         "param_groups": [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
@@ -89,7 +89,7 @@ def capture(trainer) -> dict[str, Any]:
 def restore(trainer, state: dict[str, Any]) -> None:
     """Loads a peer's `capture` into this trainer (same layout: shards line up one to one)."""
     for part, saved in zip(trainer.model_parts, state["model"], strict=True):
-        mine = _tensors_of(part)
+        mine = tensors_of(part)
         if len(mine) != len(saved):
             raise RuntimeError(f"heal: the peer's model part has {len(saved)} tensors, this one {len(mine)}")
         for (name, t), value in zip(mine, saved):

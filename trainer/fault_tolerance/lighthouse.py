@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS)
     ap.add_argument("--address-file", help="write the address here once it serves")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--ignore-stop-signals", action="store_true",
+                    help="ignore SIGTERM and SIGUSR1 (scripts/ft_trainer.slurm: a stop asked of the job is for its "
+                         "groups, which still need the lighthouse while they finish; the script ends it)")
     args = ap.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum request at INFO
     from torchft._torchft import LighthouseServer
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
+    if args.ignore_stop_signals:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
     while not stop:
         if args.parent_pid and not _alive(args.parent_pid):
             break

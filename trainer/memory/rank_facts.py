@@ -43,7 +43,7 @@ class RankParams:
     matrix_numel: dict  # layer id -> its 2-D weights' local elements (what autocast casts)
     fsdp_param_bytes: int = 0  # the part of param_bytes FSDP manages (its units' local shards)
     # >= 2-D parameter (wrapper prefixes removed) -> (local shape, global shape, ranks sharding its
-    # last two dims): what the optimizer terms read (trainer/memory/optimizer_terms.py)
+    # last two dims, ranks replicating it): what the optimizer terms read (trainer/memory/optimizer_terms.py)
     matrices: dict = field(default_factory=dict)
 
 
@@ -89,10 +89,11 @@ def read_modules(part) -> dict[str, RankParams]:
 
 
 def matrix_layout(p) -> tuple:
-    """(local shape, global shape, ranks among which each matrix is split) of a parameter."""
-    from parallelisms.muon_assembly import matrix_shard_ranks
+    """(local shape, global shape, ranks among which each matrix is split, ranks that hold the
+    same ones) of a parameter."""
+    from parallelisms.muon_assembly import matrix_replicas, matrix_shard_ranks
 
-    return tuple(shard(p).shape), tuple(p.shape), matrix_shard_ranks(p)
+    return tuple(shard(p).shape), tuple(p.shape), matrix_shard_ranks(p), matrix_replicas(p)
 
 
 def merge_params(readings) -> RankParams:
