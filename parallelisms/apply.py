@@ -27,8 +27,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from configuration.fields import ConfigError
-
 logger = logging.getLogger("apply")
 
 
@@ -91,11 +89,12 @@ def parallelize(part: nn.Module, spec, dims, cfg, *, precision: Precision | None
         from parallelisms.context_parallel import CP_SAVE_OPS, apply_context_parallel
 
         apply_context_parallel(part, dims.mesh("cp"), cfg.parallelism.context_parallel_method)
+        if cfg.float8.enable:  # float8 scales over whole sequences, as one rank takes them
+            from parallelisms.float8 import reduce_scales_over
+
+            reduce_scales_over(part, dims.mesh("cp"), cfg.float8)
         save_ops = save_ops | CP_SAVE_OPS  # op SAC keeps CP's gathers: a recompute sends nothing
-    if dims.ep_enabled:
-        if spec.expert_parallel_fn is None:
-            raise ConfigError(f"config error: parallelism.expert_parallel_degree: {spec.name} has no experts; "
-                              "set it to 1")
+    if dims.ep_enabled:  # a model without routed experts or an EP plan is refused by parallel_dims.check_layout
         spec.expert_parallel_fn(part, dims, cfg.parallelism)
     if dims.dp_degree > 1:
         from parallelisms.sequence_shards import add_batch_shard_mesh

@@ -8,7 +8,9 @@ Dense blocks (and MoE blocks whose whole forward traces as one graph) are compil
 with `fullgraph`. When a block is checkpoint-wrapped, the *wrapper* is compiled: the
 partitioner then sees the SAC save/recompute tags. Compiling the block inside the wrapper
 would turn it into one opaque compiled region, and op-level SAC would collapse into full
-recompute.
+recompute. One exception: a full-AC block under TP is compiled inside its wrapper
+(`checkpoint_inside_fails`: torch 2.13 cannot trace that checkpoint); full recompute is what
+it does either way.
 
 MoE blocks that cannot be one graph are compiled piece by piece ("woven" around the
 expert step, as TorchTitan does for MoE): under EP the dispatcher's split sizes are
@@ -110,10 +112,25 @@ def apply_compile(model: nn.Module, compile_cfg: CompileConfig, ac_cfg, *,
         if moes and not all(traces_whole(moe, compute_dtype) for moe in moes):
             compile_woven(block, compile_cfg)
             woven += 1
+        elif checkpoint_inside_fails(block):
+            block._checkpoint_wrapped_module.compile(backend=compile_cfg.backend, fullgraph=compile_cfg.fullgraph)
         else:
             block.compile(backend=compile_cfg.backend, fullgraph=compile_cfg.fullgraph)
     logger.info("compiled %d blocks, %d of them MoE blocks woven around the expert step (backend=%s, ac mode=%s)",
                 len(blocks), woven, compile_cfg.backend, mode)
+
+
+def checkpoint_inside_fails(block: nn.Module) -> bool:
+    """A full-AC wrapper (`full`, `selective`) around a block with DTensor parameters (TP):
+    torch 2.13's AOT autograd cannot trace that checkpoint (its recompute of attention over
+    DTensors puts a DeviceMesh among the tensors saved for backward, and the first forward
+    fails), with inductor and aot_eager alike. Such a block is compiled inside its wrapper
+    instead, which then runs eagerly around it, as for woven MoE blocks: the same recompute
+    (the compiled forward runs again in backward), the same result. Op-level AC keeps
+    attention's output, so its wrapper traces and stays compiled from outside."""
+    from torch.distributed.tensor import DTensor
+
+    return getattr(block, "_ac_mode", None) == "full" and any(isinstance(p, DTensor) for p in block.parameters())
 
 
 def moe_layers(module: nn.Module) -> list:

@@ -61,11 +61,23 @@ def kv_repeat_for_alltoall(n_heads: int, n_kv_heads: int, cp: int) -> int | None
 
 
 def check_context_parallel_layout(model_args, *, cp: int, tp: int, method: str, seq_len: int,
-                                  sequence_parallel: bool) -> None:
+                                  sequence_parallel: bool, float8_filter: list[str] | None = None) -> None:
+    """`float8_filter`: float8.filter_fqns when float8 is on, else None."""
     from configuration.fields import ConfigError
 
     if cp <= 1:
         return
+    if method == "allgather" and getattr(model_args, "kv_lora_rank", 0) and float8_filter is not None:
+        from parallelisms.float8 import name_matches
+
+        if not name_matches("layers.0.attention.wkv_b", float8_filter):
+            # Each CP rank's wkv_b sees the whole gathered latent but only its own queries' share of
+            # its gradient: cast to float8 part by part, then summed, it rounds unlike one rank's
+            # (measured: after 3 steps as far from one rank's float8 as float8 is from fp32).
+            raise ConfigError(
+                "config error: parallelism.context_parallel_method: allgather gathers MLA's latent before wkv_b, "
+                "so under float8 each CP rank casts a partial gradient of wkv_b's output; use "
+                "context_parallel_method = \"alltoall\" or add wkv_b to float8.filter_fqns")
     if seq_len % (2 * cp):
         raise ConfigError(
             f"config error: training.seq_len: {seq_len} is not divisible by 2 x context_parallel_degree = "

@@ -59,17 +59,23 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.tensor import Shard, distribute_tensor
 
 
+def routed_experts(model_args) -> int:
+    """The model's routed experts per MoE layer; 0 for a dense model (no such field, as Llama 3, or
+    0, as a dense Qwen3 flavor)."""
+    return getattr(model_args, "n_routed_experts", None) or 0
+
+
 def check_expert_parallel_layout(model_args, *, ep: int, tp: int, sequence_parallel: bool) -> None:
     """Config-time checks of an EP layout (also run by --dry-run)."""
     from configuration.fields import ConfigError
 
-    if ep <= 1:
+    if ep <= 1 or model_args is None:
         return
-    n_experts = getattr(model_args, "n_routed_experts", None) if model_args is not None else None
-    if model_args is not None and n_experts is None:
+    n_experts = routed_experts(model_args)
+    if not n_experts:
         raise ConfigError(f"config error: parallelism.expert_parallel_degree: {ep}, but the model has no routed "
                           "experts; set it to 1")
-    if n_experts is not None and n_experts % ep != 0:
+    if n_experts % ep != 0:
         raise ConfigError(f"config error: parallelism.expert_parallel_degree: {ep} does not divide the model's "
                           f"{n_experts} routed experts; use a divisor of {n_experts}")
     if tp > 1 and not sequence_parallel:

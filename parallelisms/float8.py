@@ -72,7 +72,9 @@ class Float8Config:
                                   "enable_fsdp_float8_all_gather are set; set --float8.enable true or unset them")
             return
         require_torchao()
-        if self.moe_grouped_gemm and getattr(root.model_args, "n_routed_experts", None) is None:
+        from parallelisms.expert_parallel import routed_experts
+
+        if self.moe_grouped_gemm and not routed_experts(root.model_args):
             raise ConfigError("config error: float8.moe_grouped_gemm: the model has no routed experts (nothing to "
                               "convert); set --float8.moe_grouped_gemm false")
         if self.moe_grouped_gemm and root.optimizer.name == "muon":
@@ -119,6 +121,11 @@ def use_torch_cpu_float8_kernel() -> None:
     every CPU takes the same path, so float8 runs also repeat across CPU models. fp32 matmuls
     on CPU use BLAS, not oneDNN, so nothing else a CPU run does changes."""
     torch.backends.mkldnn.enabled = False
+
+
+def float8_filter(cfg: Float8Config) -> list[str] | None:
+    """What the layout checks need of float8: its filter_fqns when it is on, else None."""
+    return cfg.filter_fqns if cfg.enable else None
 
 
 def name_matches(fqn: str, patterns) -> bool:
@@ -200,3 +207,67 @@ def precompute_float8_scales(model_parts, cfg: Float8Config) -> None:
 
     for part in model_parts:
         precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def reduce_scales_over(model: nn.Module, mesh, cfg: Float8Config) -> int:
+    """Under CP each rank holds a slice of every sequence. Each Float8Linear's input and output
+    gradient then take their tensorwise scale from the amax over `mesh` (a max all-reduce of one
+    scalar per cast), i.e. over the whole sequences, as one rank does. With per-rank scales the CP
+    ranks round differently from one rank: measured (tests/test_feature_matrix.py), after 3 steps
+    as far from one rank's float8 as float8 is from fp32. The weights are whole on every CP rank
+    (FSDP gathers them), so their scales already agree. Rowwise scales are per row (token) in the
+    forward and are left alone. Returns the number of linears."""
+    if cfg.recipe != "tensorwise":
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in linears:
+        m.register_forward_pre_hook(_cast_input_over(mesh))
+        m.register_forward_hook(_cast_grad_output_over(mesh))
+    return len(linears)
+
+
+def _cast(x: torch.Tensor, module: nn.Module, mesh, role) -> torch.Tensor:
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    c = module.config
+    dtype = c.cast_config_input.target_dtype if role is GemmInputRole.INPUT else c.cast_config_grad_output.target_dtype
+    return hp_tensor_to_float8_dynamic(x, dtype, module.linear_mm_config, reduce_amax=True, gemm_input_role=role,
+                                       device_mesh=mesh, round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+
+
+def _cast_input_over(mesh):
+    """Forward pre-hook: the input cast before the linear (torchao's matmul takes a cast input as
+    is, for its forward and for the weight gradient, as in its float8 TP plans)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def hook(module, args):
+        return (_cast(args[0], module, mesh, GemmInputRole.INPUT), *args[1:])
+
+    return hook
+
+
+def _cast_grad_output_over(mesh):
+    """Forward hook: the output, whose gradient is cast before the linear's backward reads it."""
+
+    def hook(module, args, output):
+        return _CastGradOver.apply(output, module, mesh)
+
+    return hook
+
+
+class _CastGradOver(torch.autograd.Function):
+    """Forward: nothing. Backward: the gradient cast to float8 with its amax over `mesh`."""
+
+    @staticmethod
+    def forward(ctx, y, module, mesh):
+        ctx.module, ctx.mesh = module, mesh
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        return _cast(grad, ctx.module, ctx.mesh, GemmInputRole.GRAD_OUTPUT), None, None

@@ -39,15 +39,19 @@ class ParallelismConfig:
     def validate(self, root) -> None:
         """Layout checks that need no world size (they also run for --dry-run); the world-size
         checks run when `ParallelDims` is built. `root.model_args` is resolved once, before."""
+        from parallelisms.float8 import float8_filter
+
         check_layout(self, root.model_args, seq_len=root.training.seq_len,
                      local_batch_size=root.training.local_batch_size, model_spec=root.model_spec,
-                     chunked_ce=root.loss.chunked_ce)
+                     chunked_ce=root.loss.chunked_ce,
+                     float8_filter=float8_filter(root.float8))
 
 
 def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batch_size: int,
-                 model_spec=None, chunked_ce: bool = False) -> None:
+                 model_spec=None, chunked_ce: bool = False, float8_filter: list[str] | None = None) -> None:
     """Every check of the degrees against the model, the loss and the batch (no world size):
-    the one place that validates `tensor_parallel_degree` and the other degrees."""
+    the one place that validates `tensor_parallel_degree` and the other degrees.
+    `float8_filter`: float8.filter_fqns when float8 is on, else None."""
     from configuration.fields import ConfigError
 
     tp, pp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
@@ -81,12 +85,15 @@ def check_layout(cfg: ParallelismConfig, model_args, *, seq_len: int, local_batc
 
         check_context_parallel_layout(model_args, cp=cfg.context_parallel_degree, tp=tp,
                                       method=cfg.context_parallel_method, seq_len=seq_len,
-                                      sequence_parallel=cfg.enable_sequence_parallel)
+                                      sequence_parallel=cfg.enable_sequence_parallel, float8_filter=float8_filter)
     if cfg.expert_parallel_degree > 1:
         from parallelisms.expert_parallel import check_expert_parallel_layout
 
         check_expert_parallel_layout(model_args, ep=cfg.expert_parallel_degree, tp=tp,
                                      sequence_parallel=cfg.enable_sequence_parallel)
+        if model_spec is not None and model_spec.expert_parallel_fn is None:
+            raise ConfigError(f"config error: parallelism.expert_parallel_degree: {model_spec.name} has no EP plan; "
+                              "set it to 1")
 
 
 # Schedules that run one stage per rank, and those that need exactly two (a "V").

@@ -167,6 +167,7 @@ class Search:
     # ---- checks ----
     def layout_ok(self, plan: Plan) -> bool:
         """`check_layout` and `ParallelDims` on the plan's degrees (cached: no dp in the key)."""
+        from parallelisms.float8 import float8_filter
         from parallelisms.parallel_dims import ParallelDims, check_layout
         from configuration.fields import ConfigError
 
@@ -183,7 +184,8 @@ class Search:
                 module_fqns_per_model_part=None)
             try:
                 check_layout(par, self.cfg.model_args, seq_len=self.seq, local_batch_size=plan.local_batch,
-                             model_spec=self.cfg.model_spec, chunked_ce=plan.chunked_ce)
+                             model_spec=self.cfg.model_spec, chunked_ce=plan.chunked_ce,
+                             float8_filter=float8_filter(self.cfg.float8))
                 ParallelDims.from_config(par, plan.world)
                 self._layout_ok[key] = True
             except ConfigError:

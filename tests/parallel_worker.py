@@ -4,7 +4,8 @@
 
 CASES.json is a list of {"name": str, "args": [CLI overrides...], optional "copy": [src, dst]
 (rank 0 copies a checkpoint folder before the case), optional "dump_loaded": bool (also dump
-the params right after the Trainer is built, i.e. after a checkpoint load)}. All ranks run
+the params right after the Trainer is built, i.e. after a checkpoint load), optional "import":
+a module to import first (e.g. one that registers test flavors)}. All ranks run
 the cases in order; one process group serves them all (each Trainer builds its own mesh).
 
 For each case, one rank per pipeline stage (dp, cp and tp coordinate 0) writes
@@ -16,6 +17,7 @@ the last step (after clipping), params are those after the last optimizer step.
 from __future__ import annotations
 
 import gc
+import importlib
 import shutil
 import sys
 import time
@@ -59,6 +61,8 @@ def run_case(case: dict, out: Path) -> None:
     from trainer.train import Trainer
 
     rank = dist.get_rank()
+    if "import" in case:
+        importlib.import_module(case["import"])
     if "copy" in case:
         src, dst = case["copy"]
         if rank == 0:
@@ -85,6 +89,10 @@ def run_case(case: dict, out: Path) -> None:
         print(f"[worker] case {case['name']}: {record['seconds']:.1f} s, losses {record['losses']}", flush=True)
     del trainer
     gc.collect()
+    # A fresh compile cache for the next case, as a run in its own process has: dynamo's cache is
+    # per code object, so a model with other shapes would recompile attention with dynamic shapes,
+    # and SDPA refuses a symbolic `enable_gqa`.
+    torch._dynamo.reset()
     dist.barrier()
 
 

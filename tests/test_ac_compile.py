@@ -131,3 +131,38 @@ def test_memory_budget_under_compile_matches_eager():
 def test_apply_compile_rejects_memory_budget_without_compile():
     with pytest.raises(ValueError, match="needs compile"):
         apply_compile(_model(), CompileConfig(enable=False), ActivationCheckpointConfig(mode="memory_budget"))
+
+
+def test_full_ac_under_tp_keeps_its_checkpoint_outside_the_compiled_block():
+    """torch 2.13's AOT autograd cannot trace a checkpoint whose recompute reruns attention over
+    DTensors (TP): compiling the full-AC wrapper crashed at the first forward ("expected all
+    tensors_saved_with_vc_check to be Tensors", a DeviceMesh among them), with aot_eager and
+    inductor alike. So under TP a full-AC block is compiled inside its checkpoint (as woven MoE
+    blocks are): the same recompute, and the same gradients as eager. One rank, a 1-rank TP mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.llama3.parallelize import parallelize_llama
+    from trainer.config import load_config
+
+    base = _model()
+    parallelism = load_config(["--parallelism.disable_loss_parallel", "true"]).parallelism
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        runs = {}
+        for mode, compiled in (("none", False), ("full", True), ("selective", True)):
+            model = copy.deepcopy(base)
+            parallelize_llama(model, mesh, parallelism)
+            cfg = ActivationCheckpointConfig(mode=mode, selective_layer_interval=2)
+            apply_activation_checkpointing(model, cfg, compile_enabled=compiled)
+            apply_compile(model, CompileConfig(enable=compiled, backend="aot_eager"), cfg)
+            if compiled:
+                wrapped = [b for b in model.layers.values() if hasattr(b, "_ac_mode")]
+                assert wrapped and all(b._compiled_call_impl is None and
+                                       b._checkpoint_wrapped_module._compiled_call_impl is not None for b in wrapped)
+            runs[mode] = [(loss, {k: g.full_tensor() for k, g in grads.items()}) for loss, grads in _train(model)]
+    finally:
+        dist.destroy_process_group()
+    _assert_close(runs["none"], runs["full"])
+    _assert_close(runs["none"], runs["selective"])

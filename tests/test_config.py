@@ -184,6 +184,8 @@ def test_options_that_the_layout_or_the_command_line_would_ignore():
     assert load_config(float8, world_size=2).float8.enable_fsdp_float8_all_gather
     with pytest.raises(ConfigError, match="float8.moe_grouped_gemm: the model has no routed experts"):
         load_config(["--float8.enable", "true", "--float8.moe_grouped_gemm", "true"])
+    with pytest.raises(ConfigError, match="float8.moe_grouped_gemm: the model has no routed experts"):  # dense Qwen3
+        load_config(["--model.name", "qwen3", "--float8.enable", "true", "--float8.moe_grouped_gemm", "true"])
     assert load_config(["--config", "llama8b.toml"]).data.path == "data/tokens"
     assert load_config(["--config", "llama8b.toml", "--data.type", "synthetic"]).data.path is None
     assert load_config(["--config", "llama8b.toml", "--data.type", "stream"]).data.path == "data/tokens"

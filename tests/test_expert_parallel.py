@@ -272,6 +272,8 @@ def test_resume_restores_expert_bias_bitwise(seed_root):
     ([EP, "2", TP, "2", "--parallelism.enable_sequence_parallel", "false"], "needs sequence parallel"),
     ([EP, "3"], "does not divide the model's 8 routed experts"),
     (["--model.name", "llama3", "--model.flavor", "debug_small", EP, "2"], "has no routed experts"),
+    # A dense Qwen3 flavor has n_routed_experts = 0: it was refused only inside a worker, after the launch.
+    (["--model.name", "qwen3", "--model.flavor", "debug", EP, "2"], "has no routed experts"),
 ])
 def test_ep_config_errors_are_one_line(extra, needle):
     from trainer.config import load_config

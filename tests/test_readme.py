@@ -86,6 +86,7 @@ README_COMMANDS = {
     "python -m pytest -q -s tests/test_parallel_layouts.py": ("skip", "part of the suite"),
     "python -m pytest -q -s tests/test_expert_parallel.py": ("skip", "part of the suite"),
     "python -m pytest -q -s tests/test_context_parallel_train.py": ("skip", "part of the suite"),
+    "python -m pytest -q -s tests/test_feature_matrix.py": ("skip", "part of the suite"),
     "python scripts/estimate_memory.py --config llama8b.toml": ("run", ""),
     "python scripts/estimate_memory.py --config llama8b.toml --table": ("run", ""),
     "python -m trainer.launch": ("skip", "the launcher alone, without a worker command; tests/test_launch_errors.py"),

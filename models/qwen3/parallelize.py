@@ -51,10 +51,6 @@ def parallelize_qwen3(model: nn.Module, tp_mesh, parallelism_cfg) -> None:
 
 
 def qwen3_expert_parallel_fn(model: nn.Module, dims, parallelism_cfg) -> None:
-    """`ModelSpec.expert_parallel_fn`: the shared EP plan; a dense Qwen3 has nothing to shard."""
-    if not getattr(model.args, "n_routed_experts", 0):
-        from configuration.fields import ConfigError
-
-        raise ConfigError(f"config error: parallelism.expert_parallel_degree: {dims.ep}, but this Qwen3 flavor is "
-                          "dense (no routed experts); set it to 1 or use a MoE flavor")
+    """`ModelSpec.expert_parallel_fn`: the shared EP plan (a dense flavor with EP is refused by
+    parallelisms/expert_parallel.py::check_expert_parallel_layout, before any worker starts)."""
     expert_parallel.expert_parallel_fn(model, dims, parallelism_cfg)

@@ -100,12 +100,14 @@ def assembly_config(cfg, device: str):
 def chunked_ce_allowed(cfg) -> bool:
     """Whether the config's own validators accept `loss.chunked_ce = true` for this layout
     and model (asked of them, not restated: TP, PP, MTP...)."""
+    from parallelisms.float8 import float8_filter
     from parallelisms.parallel_dims import check_layout
     from configuration.fields import ConfigError
 
     try:
         check_layout(cfg.parallelism, cfg.model_args, seq_len=cfg.training.seq_len,
-                     local_batch_size=cfg.training.local_batch_size, model_spec=cfg.model_spec, chunked_ce=True)
+                     local_batch_size=cfg.training.local_batch_size, model_spec=cfg.model_spec, chunked_ce=True,
+                     float8_filter=float8_filter(cfg.float8))
         dataclasses.replace(cfg.loss, chunked_ce=True).validate(cfg)
     except ConfigError:
         return False
