@@ -14,13 +14,15 @@ field and the fix); some train but do not equal one rank (`KNOWN_FAILURES`, xfai
 kept out of the design's rows, and each gets a row of its own whose other values are ordinary,
 so that its outcome has one cause and every other pair is checked in a row that must be equal.
 
-Importing this module registers the `matrix_odd` / `matrix_even` flavors of the three models
-(Llama 3, DeepSeek V3, Qwen3-MoE) in their specs, so the worker processes
-(tests/parallel_worker.py, through a case's "import") build the same shapes.
+`register_flavors` adds the `matrix_odd` / `matrix_even` flavors of the three models (Llama 3,
+DeepSeek V3, Qwen3-MoE) to their specs: the test process for the length of its matrix tests
+(`flavors_registered`), the worker processes (tests/parallel_worker.py) through a case's "import"
+of tests/feature_matrix_flavors.py, so that both build the same shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -86,9 +88,31 @@ _QWEN3_MOE = dataclasses.replace(QWEN3_FLAVORS["debug_moe"], dim=64, n_layers=3,
 LAYERS = {"odd": 3, "even": 2}
 _FLAVOR_TABLES = {"llama3": (LLAMA3_FLAVORS, _LLAMA), "deepseek_v3": (DEEPSEEK_V3_FLAVORS, _DEEPSEEK),
                   "qwen3_moe": (QWEN3_FLAVORS, _QWEN3_MOE)}
-for _table, _base in _FLAVOR_TABLES.values():
-    for _parity, _n in LAYERS.items():
-        _table.setdefault(f"matrix_{_parity}", dataclasses.replace(_base, n_layers=_n))
+
+
+def register_flavors() -> list[tuple[dict, str]]:
+    """Adds the `matrix_odd` / `matrix_even` flavors to the three models' tables; returns what it
+    added. Not done at import: a flavor left in a table for the rest of a pytest process makes
+    another test's shape inference ambiguous (Llama's matrix_odd has debug_small's shapes)."""
+    added = []
+    for table, base in _FLAVOR_TABLES.values():
+        for parity, n in LAYERS.items():
+            if f"matrix_{parity}" not in table:
+                table[f"matrix_{parity}"] = dataclasses.replace(base, n_layers=n)
+                added.append((table, f"matrix_{parity}"))
+    return added
+
+
+@contextlib.contextmanager
+def flavors_registered():
+    """The matrix flavors, for the length of a `with` (the test process's references and checks)."""
+    added = register_flavors()
+    try:
+        yield
+    finally:
+        for table, name in added:
+            del table[name]
+
 assert isinstance(_QWEN3_MOE, Qwen3Args) and _QWEN3_MOE.n_moe_layers == 2
 
 

@@ -50,6 +50,13 @@ REFUSED_ROWS = [(name, row, line) for name, row, kind, line in ROWS if kind == "
 REPORT: list[str] = []
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _matrix_flavors():
+    """The matrix flavors exist for this module's tests only (see tests/feature_matrix.py)."""
+    with fm.flavors_registered():
+        yield
+
+
 def every_pair(factors: dict) -> set:
     return {fm.pair(a, b) for f, g in itertools.combinations(factors, 2)
             for a, b in itertools.product([(f, v) for v in factors[f]], [(g, v) for v in factors[g]])}
@@ -118,7 +125,7 @@ def matrix_runs(tmp_path_factory):
                 refs[key]["fp32"] = _reference(fm.fp32_reference_args(row), root / ("fp32_" + "_".join(map(str, key))))
     finally:
         torch.set_num_threads(threads)
-    cases = [{"name": name, "import": "tests.feature_matrix",
+    cases = [{"name": name, "import": "tests.feature_matrix_flavors",
               "args": [*fm.row_args(row), "--job.dump_folder", str(root / "runs" / name)]}
              for name, row, _, _ in TRAINED]
     results = run_layout_cases(root, 2, cases, timeout=900)
