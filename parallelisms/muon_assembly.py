@@ -23,7 +23,8 @@ that shard or replicate it:
    more level, the innermost; it splits the work like any other (issue 30: gathering
    that dim instead left every FSDP rank orthogonalising all of its TP rank's column-wise
    matrices);
-4. each rank runs NS on the matrices it holds;
+4. each rank runs NS on the matrices it holds, in chunks (`ns_chunk`) whose results are
+   written back into the stack, so NS's temporaries stay within about the stack's bytes;
 5. the same all-to-alls in reverse order send every rank its shard of its replica's
    chunk of results back, then one all-gather per replicated mesh dim (innermost
    first) gives it every replica's chunk: its shard of every result.
@@ -86,6 +87,25 @@ def chunk_size(n: int, g: int, j: int) -> int:
     """Entries that member j of g holds of a dim of size n (DTensor's and FSDP2's chunk rule)."""
     c = -(-n // g)
     return max(0, min(n, c * (j + 1)) - c * j)
+
+
+NS_CHUNK_BOUND = 1.0
+"""`fn` gets the whole matrices a rank holds in chunks whose temporaries (`temporaries`:
+elements per matrix) stay within NS_CHUNK_BOUND x the bytes of all those matrices (at least
+one matrix a chunk). Why: NS needs 4.3x its input for a 28672 x 8192 matrix, so on all 20 of
+a rank's w1/w3 matrices under llama70b TP 8 at once it held 37.5 GiB beside their 8.75 GiB;
+in chunks of 4 it holds 7.5. With 1, NS's peak is about twice the matrices held (or one
+matrix's NS, if more), and each chunk is still as many whole matrices as fit (each matmul
+as large as unchunked). `inf`: all at once."""
+
+
+def ns_chunk(count: int, m: int, n: int, temporaries: Callable[[int, int], int] | None) -> int:
+    """Matrices per `fn` call on the `count` m x n matrices a rank holds: all of them without
+    `temporaries`, else as many as keep `temporaries(m, n)` each within NS_CHUNK_BOUND x the
+    elements of the `count` matrices (at least one)."""
+    if temporaries is None or count == 0:
+        return count
+    return max(1, math.floor(min(count, NS_CHUNK_BOUND * count * m * n / temporaries(m, n))))
 
 
 def _levels(p: DTensor) -> list[tuple[int, int, list[int]]]:
@@ -199,7 +219,7 @@ def _gather_rows(x: torch.Tensor, group, g: int, rows: int) -> torch.Tensor:
 
 
 def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn, apply,
-                         dtype: torch.dtype, device) -> None:
+                         dtype: torch.dtype, device, temporaries) -> None:
     p = params[idx[0]]
     local = p.to_local().shape if isinstance(p, DTensor) else p.shape
     lead, matrix = math.prod(local[:-2]), local[-2:]
@@ -219,8 +239,12 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
     for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
         rows.append(x.shape[0])
         x = _gather_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
-    if x.shape[0]:  # [J_here, m, n]: whole matrices, each on this rank only
-        x = fn(x)
+    # [J_here, m, n]: whole matrices, each on this rank only; each chunk's result back in its rows.
+    # On CPU a matrix's NS does not depend on the batch (bitwise equal to unchunked); a GPU's
+    # batched matmuls may pick other kernels for another batch size (equal within rounding).
+    step = ns_chunk(x.shape[0], *x.shape[1:], temporaries)
+    for s in range(0, x.shape[0], step or 1):
+        x[s:s + step] = fn(x[s:s + step])
     for (mesh_dim, dim, sizes), r in zip(levels, reversed(rows)):
         x = _scatter_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes, r)
     for d, r in zip(reversed(reps), reversed(before)):  # every replica's rows back, innermost split first
@@ -232,17 +256,19 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
 @torch.no_grad()  # gloo's all-gather writes into views of its output, which grad mode forbids
 def orthogonalize(params: list[torch.Tensor], update: Callable[[int], torch.Tensor],
                   fn: Callable[[torch.Tensor], torch.Tensor], apply: Callable[[int, torch.Tensor], None],
-                  dtype: torch.dtype, device: torch.device | None = None) -> None:
+                  dtype: torch.dtype, device: torch.device | None = None,
+                  temporaries: Callable[[int, int], int] | None = None) -> None:
     """`fn` ([B, m, n] -> [B, m, n], one result per matrix) applied to every whole matrix of
     the updates of `params` (tensors or DTensors), a stack (`stacks`) at a time, so that the
     memory beyond the optimizer's state is one stack's: for each parameter of the stack,
     `update(i)` gives this rank's local shard of the update of `params[i]` (laid out like
     it), copied into the stack in `dtype` on `device` (None: the parameter's); each matrix
-    is orthogonalised on one rank of the mesh dims that shard or replicate it; then
-    `apply(i, result)` gets this rank's local shard of each result."""
+    is orthogonalised on one rank of the mesh dims that shard or replicate it, in chunks
+    (`ns_chunk`: all at once without `temporaries`, the elements `fn` allocates per m x n
+    matrix); then `apply(i, result)` gets this rank's local shard of each result."""
     for idx in stacks(params):
-        _orthogonalize_stack(params, idx, update, fn, apply, dtype, device)
+        _orthogonalize_stack(params, idx, update, fn, apply, dtype, device, temporaries)
 
 
-__all__ = ["orthogonalize", "stacks", "needs_assembly", "matrix_shard_ranks", "matrix_replicas", "replicate_dims",
+__all__ = ["orthogonalize", "ns_chunk", "NS_CHUNK_BOUND", "stacks", "needs_assembly", "matrix_shard_ranks", "matrix_replicas", "replicate_dims",
            "chunk_size"]
