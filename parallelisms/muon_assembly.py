@@ -138,9 +138,11 @@ def _with(shape, dim: int, size: int) -> list[int]:
     return s
 
 
-def _gather_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[int]) -> torch.Tensor:
-    """[J, ..., sizes[me], ...] -> [J_me, ..., sum(sizes), ...]: member j gets chunk j of the
-    J rows; this rank receives every member's slice of `dim` of its own chunk."""
+def _send_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[int]):
+    """All-to-all of a [J, ..., sizes[me], ...] stack: member j gets chunk j of the J rows.
+    Returns what this rank received (every member's slice of `dim` of its own chunk, one
+    after another) and each slice's shape, for `_join_matrix_dim`, so that the caller can
+    free the stack before they are joined."""
     g = len(sizes)
     rows = [chunk_size(x.shape[0], g, j) for j in range(g)]
     per_row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
@@ -148,23 +150,35 @@ def _gather_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[in
     out = x.new_empty(sum(math.prod(s) for s in pieces))
     dist.all_to_all_single(out, x.contiguous().view(-1), [math.prod(s) for s in pieces],
                            [r * per_row for r in rows], group=group)
+    return out, pieces
+
+
+def _join_matrix_dim(out: torch.Tensor, pieces: list, dim: int) -> torch.Tensor:
+    """`_send_matrix_dim`'s received slices -> [J_me, ..., sum(sizes), ...]."""
     return torch.cat([t.view(s) for t, s in zip(out.split([math.prod(s) for s in pieces]), pieces)], dim=dim)
 
 
-def _scatter_matrix_dim(y: torch.Tensor, group, me: int, dim: int, sizes: list[int], rows: int) -> torch.Tensor:
-    """The inverse of `_gather_matrix_dim` for a stack of `rows` rows: [J_me, ..., sum(sizes), ...]
-    -> [rows, ..., sizes[me], ...]."""
-    g = len(sizes)
-    chunks = [chunk_size(rows, g, j) for j in range(g)]
+def _pack_matrix_dim(y: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """[J_me, ..., sum(sizes), ...] -> one send buffer, member j's slice of `dim` contiguous
+    in it (no second copy), and each slice's numel; the caller frees `y` before the all-to-all."""
     pieces = y.split(sizes, dim=dim)
     send, start = y.new_empty(y.numel()), 0
-    for t in pieces:  # one send buffer, each member's slice contiguous in it (no second copy)
+    for t in pieces:
         send[start:start + t.numel()].view(t.shape).copy_(t)
         start += t.numel()
-    shape = _with((rows, *y.shape[1:]), dim, sizes[me])
+    return send, [t.numel() for t in pieces]
+
+
+def _return_matrix_dim(send: torch.Tensor, numels: list[int], shape, group, me: int, dim: int, sizes: list[int],
+                       rows: int) -> torch.Tensor:
+    """The inverse of `_send_matrix_dim` for a stack of `rows` rows, on `_pack_matrix_dim`'s buffer
+    of results shaped `shape` [J_me, ..., sum(sizes), ...] -> [rows, ..., sizes[me], ...]."""
+    g = len(sizes)
+    chunks = [chunk_size(rows, g, j) for j in range(g)]
+    shape = _with((rows, *shape[1:]), dim, sizes[me])
     per_row = math.prod(shape[1:])
-    out = y.new_empty(math.prod(shape))
-    dist.all_to_all_single(out, send, [c * per_row for c in chunks], [t.numel() for t in pieces], group=group)
+    out = send.new_empty(math.prod(shape))
+    dist.all_to_all_single(out, send, [c * per_row for c in chunks], numels, group=group)
     return out.view(shape)
 
 
@@ -238,7 +252,10 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
     rows = []
     for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
         rows.append(x.shape[0])
-        x = _gather_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
+        out, pieces = _send_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
+        del x  # sent: freed before the join, so a level holds two stacks' bytes, not three
+        x = _join_matrix_dim(out, pieces, dim)
+        del out
     # [J_here, m, n]: whole matrices, each on this rank only; each chunk's result back in its rows.
     # On CPU a matrix's NS does not depend on the batch (bitwise equal to unchunked); a GPU's
     # batched matmuls may pick other kernels for another batch size (equal within rounding).
@@ -246,7 +263,12 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
     for s in range(0, x.shape[0], step or 1):
         x[s:s + step] = fn(x[s:s + step])
     for (mesh_dim, dim, sizes), r in zip(levels, reversed(rows)):
-        x = _scatter_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes, r)
+        shape = x.shape
+        send, numels = _pack_matrix_dim(x, dim, sizes)
+        del x  # packed: freed before the receive buffer is allocated
+        x = _return_matrix_dim(send, numels, shape, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim,
+                               sizes, r)
+        del send
     for d, r in zip(reversed(reps), reversed(before)):  # every replica's rows back, innermost split first
         x = _gather_rows(x, mesh.get_group(d), mesh.size(d), r)
     for k, i in enumerate(idx):

@@ -18,8 +18,9 @@ GPU, fp32 on CPU) unless said:
 
 - build: this rank's rows of the stack (all of them, or its replica's chunk), plus one
   parameter's fp32 Nesterov update (g + mu buf);
-- assembly (matrices sharded over > 1 rank): the stack, what the all-to-all receives and its
-  concatenation; back: the whole results, the send buffer and the rows received;
+- assembly (matrices sharded over > 1 rank): the stack and what the all-to-all receives, then
+  that and its concatenation (the stack is freed once sent); back: the whole results and the
+  send buffer, then that and the rows received;
 - NS on the whole matrices this rank holds (ceil(J_R / ranks) of the J_R rows its replica
   takes), plus NS's own temporaries for one chunk of them (`ns_chunk`: as many matrices as
   keep those within NS_CHUNK_BOUND x the matrices held, at least one), per m x n matrix
@@ -67,8 +68,8 @@ def _stack_peak(count: int, local: tuple, glob: tuple, ranks: int, replicas: int
     phases = [stack + (one_param if nesterov else 0),
               held + ns_chunk(here, *glob[-2:], ns_temporaries) * ns_temporaries(*glob[-2:]) * esize,
               results + (one_param if esize != 4 else 0)]
-    if ranks > 1:  # in: the stack, the all-to-all's receive buffer and their concatenation; out: the reverse
-        phases.append(stack + 2 * held)
+    if ranks > 1:  # in: the stack and the all-to-all's receive buffer, then that and their concatenation;
+        phases.append(held + max(stack, held))  # out: the reverse
     if replicas > 1:  # every replica's rows, padded to the largest chunk
         phases.append(stack + replicas * taken * a * esize)
     return max(phases)
