@@ -23,7 +23,8 @@ that shard or replicate it:
    more level, the innermost; it splits the work like any other (issue 30: gathering
    that dim instead left every FSDP rank orthogonalising all of its TP rank's column-wise
    matrices);
-4. each rank runs NS on the matrices it holds;
+4. each rank runs NS on the matrices it holds, in chunks (`ns_chunk`) whose results are
+   written back into the stack, so NS's temporaries stay within about the stack's bytes;
 5. the same all-to-alls in reverse order send every rank its shard of its replica's
    chunk of results back, then one all-gather per replicated mesh dim (innermost
    first) gives it every replica's chunk: its shard of every result.
@@ -88,6 +89,25 @@ def chunk_size(n: int, g: int, j: int) -> int:
     return max(0, min(n, c * (j + 1)) - c * j)
 
 
+NS_CHUNK_BOUND = 1.0
+"""`fn` gets the whole matrices a rank holds in chunks whose temporaries (`temporaries`:
+elements per matrix) stay within NS_CHUNK_BOUND x the bytes of all those matrices (at least
+one matrix a chunk). Why: NS needs 4.3x its input for a 28672 x 8192 matrix, so on all 20 of
+a rank's w1/w3 matrices under llama70b TP 8 at once it held 37.5 GiB beside their 8.75 GiB;
+in chunks of 4 it holds 7.5. With 1, NS's peak is about twice the matrices held (or one
+matrix's NS, if more), and each chunk is still as many whole matrices as fit (each matmul
+as large as unchunked). `inf`: all at once."""
+
+
+def ns_chunk(count: int, m: int, n: int, temporaries: Callable[[int, int], int] | None) -> int:
+    """Matrices per `fn` call on the `count` m x n matrices a rank holds: all of them without
+    `temporaries`, else as many as keep `temporaries(m, n)` each within NS_CHUNK_BOUND x the
+    elements of the `count` matrices (at least one)."""
+    if temporaries is None or count == 0:
+        return count
+    return max(1, math.floor(min(count, NS_CHUNK_BOUND * count * m * n / temporaries(m, n))))
+
+
 def _levels(p: DTensor) -> list[tuple[int, int, list[int]]]:
     """(mesh dim, stacked matrix dim 1 or 2, every member's size of that dim at that split)
     of each mesh dim that shards a matrix dim of `p`, outermost split first.
@@ -118,9 +138,11 @@ def _with(shape, dim: int, size: int) -> list[int]:
     return s
 
 
-def _gather_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[int]) -> torch.Tensor:
-    """[J, ..., sizes[me], ...] -> [J_me, ..., sum(sizes), ...]: member j gets chunk j of the
-    J rows; this rank receives every member's slice of `dim` of its own chunk."""
+def _send_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[int]):
+    """All-to-all of a [J, ..., sizes[me], ...] stack: member j gets chunk j of the J rows.
+    Returns what this rank received (every member's slice of `dim` of its own chunk, one
+    after another) and each slice's shape, for `_join_matrix_dim`, so that the caller can
+    free the stack before they are joined."""
     g = len(sizes)
     rows = [chunk_size(x.shape[0], g, j) for j in range(g)]
     per_row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
@@ -128,23 +150,35 @@ def _gather_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[in
     out = x.new_empty(sum(math.prod(s) for s in pieces))
     dist.all_to_all_single(out, x.contiguous().view(-1), [math.prod(s) for s in pieces],
                            [r * per_row for r in rows], group=group)
+    return out, pieces
+
+
+def _join_matrix_dim(out: torch.Tensor, pieces: list, dim: int) -> torch.Tensor:
+    """`_send_matrix_dim`'s received slices -> [J_me, ..., sum(sizes), ...]."""
     return torch.cat([t.view(s) for t, s in zip(out.split([math.prod(s) for s in pieces]), pieces)], dim=dim)
 
 
-def _scatter_matrix_dim(y: torch.Tensor, group, me: int, dim: int, sizes: list[int], rows: int) -> torch.Tensor:
-    """The inverse of `_gather_matrix_dim` for a stack of `rows` rows: [J_me, ..., sum(sizes), ...]
-    -> [rows, ..., sizes[me], ...]."""
-    g = len(sizes)
-    chunks = [chunk_size(rows, g, j) for j in range(g)]
+def _pack_matrix_dim(y: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """[J_me, ..., sum(sizes), ...] -> one send buffer, member j's slice of `dim` contiguous
+    in it (no second copy), and each slice's numel; the caller frees `y` before the all-to-all."""
     pieces = y.split(sizes, dim=dim)
     send, start = y.new_empty(y.numel()), 0
-    for t in pieces:  # one send buffer, each member's slice contiguous in it (no second copy)
+    for t in pieces:
         send[start:start + t.numel()].view(t.shape).copy_(t)
         start += t.numel()
-    shape = _with((rows, *y.shape[1:]), dim, sizes[me])
+    return send, [t.numel() for t in pieces]
+
+
+def _return_matrix_dim(send: torch.Tensor, numels: list[int], shape, group, me: int, dim: int, sizes: list[int],
+                       rows: int) -> torch.Tensor:
+    """The inverse of `_send_matrix_dim` for a stack of `rows` rows, on `_pack_matrix_dim`'s buffer
+    of results shaped `shape` [J_me, ..., sum(sizes), ...] -> [rows, ..., sizes[me], ...]."""
+    g = len(sizes)
+    chunks = [chunk_size(rows, g, j) for j in range(g)]
+    shape = _with((rows, *shape[1:]), dim, sizes[me])
     per_row = math.prod(shape[1:])
-    out = y.new_empty(math.prod(shape))
-    dist.all_to_all_single(out, send, [c * per_row for c in chunks], [t.numel() for t in pieces], group=group)
+    out = send.new_empty(math.prod(shape))
+    dist.all_to_all_single(out, send, [c * per_row for c in chunks], numels, group=group)
     return out.view(shape)
 
 
@@ -199,7 +233,7 @@ def _gather_rows(x: torch.Tensor, group, g: int, rows: int) -> torch.Tensor:
 
 
 def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn, apply,
-                         dtype: torch.dtype, device) -> None:
+                         dtype: torch.dtype, device, temporaries) -> None:
     p = params[idx[0]]
     local = p.to_local().shape if isinstance(p, DTensor) else p.shape
     lead, matrix = math.prod(local[:-2]), local[-2:]
@@ -218,11 +252,23 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
     rows = []
     for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
         rows.append(x.shape[0])
-        x = _gather_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
-    if x.shape[0]:  # [J_here, m, n]: whole matrices, each on this rank only
-        x = fn(x)
+        out, pieces = _send_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
+        del x  # sent: freed before the join, so a level holds two stacks' bytes, not three
+        x = _join_matrix_dim(out, pieces, dim)
+        del out
+    # [J_here, m, n]: whole matrices, each on this rank only; each chunk's result back in its rows.
+    # On CPU a matrix's NS does not depend on the batch (bitwise equal to unchunked); a GPU's
+    # batched matmuls may pick other kernels for another batch size (equal within rounding).
+    step = ns_chunk(x.shape[0], *x.shape[1:], temporaries)
+    for s in range(0, x.shape[0], step or 1):
+        x[s:s + step] = fn(x[s:s + step])
     for (mesh_dim, dim, sizes), r in zip(levels, reversed(rows)):
-        x = _scatter_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes, r)
+        shape = x.shape
+        send, numels = _pack_matrix_dim(x, dim, sizes)
+        del x  # packed: freed before the receive buffer is allocated
+        x = _return_matrix_dim(send, numels, shape, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim,
+                               sizes, r)
+        del send
     for d, r in zip(reversed(reps), reversed(before)):  # every replica's rows back, innermost split first
         x = _gather_rows(x, mesh.get_group(d), mesh.size(d), r)
     for k, i in enumerate(idx):
@@ -232,17 +278,19 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
 @torch.no_grad()  # gloo's all-gather writes into views of its output, which grad mode forbids
 def orthogonalize(params: list[torch.Tensor], update: Callable[[int], torch.Tensor],
                   fn: Callable[[torch.Tensor], torch.Tensor], apply: Callable[[int, torch.Tensor], None],
-                  dtype: torch.dtype, device: torch.device | None = None) -> None:
+                  dtype: torch.dtype, device: torch.device | None = None,
+                  temporaries: Callable[[int, int], int] | None = None) -> None:
     """`fn` ([B, m, n] -> [B, m, n], one result per matrix) applied to every whole matrix of
     the updates of `params` (tensors or DTensors), a stack (`stacks`) at a time, so that the
     memory beyond the optimizer's state is one stack's: for each parameter of the stack,
     `update(i)` gives this rank's local shard of the update of `params[i]` (laid out like
     it), copied into the stack in `dtype` on `device` (None: the parameter's); each matrix
-    is orthogonalised on one rank of the mesh dims that shard or replicate it; then
-    `apply(i, result)` gets this rank's local shard of each result."""
+    is orthogonalised on one rank of the mesh dims that shard or replicate it, in chunks
+    (`ns_chunk`: all at once without `temporaries`, the elements `fn` allocates per m x n
+    matrix); then `apply(i, result)` gets this rank's local shard of each result."""
     for idx in stacks(params):
-        _orthogonalize_stack(params, idx, update, fn, apply, dtype, device)
+        _orthogonalize_stack(params, idx, update, fn, apply, dtype, device, temporaries)
 
 
-__all__ = ["orthogonalize", "stacks", "needs_assembly", "matrix_shard_ranks", "matrix_replicas", "replicate_dims",
+__all__ = ["orthogonalize", "ns_chunk", "NS_CHUNK_BOUND", "stacks", "needs_assembly", "matrix_shard_ranks", "matrix_replicas", "replicate_dims",
            "chunk_size"]

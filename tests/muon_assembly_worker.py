@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.memory import LiveBytesTracker  # noqa: E402
 from trainer.memory.optimizer_terms import _muon_step  # noqa: E402
 from trainer.memory.rank_facts import matrix_layout  # noqa: E402
-from trainer.muon import newton_schulz, ns_flops  # noqa: E402
+from trainer.muon import newton_schulz, ns_flops, ns_temporaries  # noqa: E402
 
 # name -> (out, in, plan); the weight is [out, in]
 LAYERS = {**{f"col{k}": (12, 8, "col") for k in range(4)}, **{f"row{k}": (8, 12, "row") for k in range(4)},
@@ -71,7 +71,7 @@ def run(params: list, updates: list, fn, out: list | None = None) -> list:
 
     kept: list = [None] * len(params)
     orthogonalize(params, updates.__getitem__, fn, (lambda i, o: out[i].copy_(o)) if out else kept.__setitem__,
-                  torch.float32)
+                  torch.float32, temporaries=ns_temporaries)
     return out or kept
 
 

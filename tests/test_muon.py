@@ -118,39 +118,48 @@ def test_adamw_groups_equal_torch_adamw_and_muon_moves_matrices():
     assert set(opt.state[w]) == {"momentum_buffer"} and not torch.equal(w, ref[0])
 
 
-def test_muon_step_holds_one_stack_at_a_time_and_the_estimate_is_its_peak():
+def test_muon_step_holds_one_stack_at_a_time_and_the_estimate_is_its_peak(monkeypatch):
     """The step builds, orthogonalises and applies one stack (here: one parameter) before the
-    next: the bytes its ops allocate (LiveBytesTracker, with the parameters, gradients and
-    momentum buffers excluded) peak at the largest parameter's NS, which is exactly what the
-    memory estimator counts (trainer/memory/optimizer_terms.py); the updates equal one
-    Nesterov NS step written out per matrix. Before, every update and every result were
-    held together: 382464 bytes here, 2.4x the parameters' own 158976."""
+    next, and runs NS on a stack's matrices in chunks (NS_CHUNK_BOUND): the bytes its ops
+    allocate (LiveBytesTracker, with the parameters, gradients and momentum buffers excluded)
+    peak at exactly what the memory estimator counts (trainer/memory/optimizer_terms.py), for
+    NS on all 16 matrices of the 3-D parameter at once (bound inf), in chunks of 3 (bound 1,
+    the default) and one by one (bound 0); the chunked peak is the smaller. The updates are
+    bitwise equal to one Nesterov NS step on each parameter's matrices at once: on CPU a
+    matrix's NS does not depend on its batch. Before the stacks, every update and every result
+    were held together (382464 bytes without the 3-D parameter)."""
+    import parallelisms.muon_assembly as assembly
     from trainer.memory import LiveBytesTracker
     from trainer.memory.optimizer_terms import _muon_step
 
-    torch.manual_seed(0)
-    shapes = [(64, 48)] * 6 + [(48, 96)] * 4 + [(3, 40, 24)]
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    shapes = [(64, 48)] * 6 + [(48, 96)] * 4 + [(16, 40, 24)]
     lr, mu = 0.01, 0.95
-    opt = Muon([{"params": params, "muon": True, "lr": lr, "momentum": mu}])
-    bufs = [torch.zeros_like(p) for p in params]
-    for _ in range(2):
-        want = []
-        for p, b in zip(params, bufs):
-            p.grad = torch.randn_like(p)
-            b.mul_(mu).add_(p.grad)
-            ns = newton_schulz(p.grad.add(b, alpha=mu).reshape(-1, *p.shape[-2:]), 5).reshape(p.shape)
-            want.append(p.detach().add(ns, alpha=-lr * update_scale(p.shape, "rms", 0.2)))
-        existing = params + [p.grad for p in params] + [v for st in opt.state.values() for v in st.values()]
-        with LiveBytesTracker(existing) as tracker:
-            opt.step()
-        assert all(torch.equal(p, w) for p, w in zip(params, want))
-    predicted = _muon_step({str(i): (s, s, 1, 1) for i, s in enumerate(shapes)}, 4)
-    one_param = max(math.prod(s) for s in shapes) * 4
-    print(f"Muon step: {tracker.peak} bytes allocated at its peak, estimate {predicted}, "
-          f"parameters {sum(p.numel() for p in params) * 4}")
-    assert tracker.peak == predicted
-    assert tracker.peak < 6 * one_param  # the largest parameter's update, stack and NS temporaries
+    peaks = {}
+    for bound in (math.inf, 1.0, 0.0):
+        monkeypatch.setattr(assembly, "NS_CHUNK_BOUND", bound)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = Muon([{"params": params, "muon": True, "lr": lr, "momentum": mu}])
+        bufs = [torch.zeros_like(p) for p in params]
+        for _ in range(2):
+            want = []
+            for p, b in zip(params, bufs):
+                p.grad = torch.randn_like(p)
+                b.mul_(mu).add_(p.grad)
+                ns = newton_schulz(p.grad.add(b, alpha=mu).reshape(-1, *p.shape[-2:]), 5).reshape(p.shape)
+                want.append(p.detach().add(ns, alpha=-lr * update_scale(p.shape, "rms", 0.2)))
+            existing = params + [p.grad for p in params] + [v for st in opt.state.values() for v in st.values()]
+            with LiveBytesTracker(existing) as tracker:
+                opt.step()
+            assert all(torch.equal(p, w) for p, w in zip(params, want)), bound
+        predicted = _muon_step({str(i): (s, s, 1, 1) for i, s in enumerate(shapes)}, 4)
+        print(f"NS_CHUNK_BOUND {bound}: {tracker.peak} bytes allocated at the step's peak, estimate {predicted}, "
+              f"parameters {sum(p.numel() for p in params) * 4}")
+        assert tracker.peak == predicted, bound
+        peaks[bound] = tracker.peak
+    one_param = 16 * 40 * 24 * 4
+    assert peaks[0.0] <= peaks[1.0] < peaks[math.inf] / 2
+    assert peaks[1.0] <= 2 * one_param  # the 3-D parameter's stack and its fp32 Nesterov update
 
 
 def test_unknown_optimizer_and_empty_rule_are_one_line_config_errors():

@@ -55,6 +55,14 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
     return x.to(g.dtype)
 
 
+def ns_temporaries(m: int, n: int) -> int:
+    """Elements `newton_schulz` allocates beyond its input for one m x n matrix, at most
+    (a = min(m, n), b = max): the Gram matrix, its square and their sum, or the next
+    iterate's three terms."""
+    a, b = min(m, n), max(m, n)
+    return max(4 * a * a + a * b, a * a + 4 * a * b)
+
+
 def ns_flops(m: int, n: int, steps: int = 5) -> int:
     """FLOPs of `newton_schulz` on one m x n matrix (a = min(m, n), b = max): per iteration
     the Gram matrix (2 a^2 b), its square (2 a^3) and the product with X (2 a^2 b)."""
@@ -151,9 +159,10 @@ class Muon(torch.optim.Optimizer):
             w.add_(o.to(w.device, w.dtype), alpha=-lr * update_scale(p.shape, group["scale_mode"], group["rms_factor"]))
 
         # One stack of updates at a time (built in NS's precision on the training device: bf16
-        # halves the assembly bytes), orthogonalised and applied before the next is built.
+        # halves the assembly bytes), orthogonalised (in chunks of matrices: NS_CHUNK_BOUND)
+        # and applied before the next is built.
         ns = lambda x: newton_schulz(x, group["ns_steps"], self.ns_dtype)  # noqa: E731
-        orthogonalize(params, update, ns, apply, self.ns_dtype, self.device)
+        orthogonalize(params, update, ns, apply, self.ns_dtype, self.device, ns_temporaries)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

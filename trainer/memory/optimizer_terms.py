@@ -18,12 +18,15 @@ GPU, fp32 on CPU) unless said:
 
 - build: this rank's rows of the stack (all of them, or its replica's chunk), plus one
   parameter's fp32 Nesterov update (g + mu buf);
-- assembly (matrices sharded over > 1 rank): the stack, what the all-to-all receives and its
-  concatenation; back: the whole results, the send buffer and the rows received;
+- assembly (matrices sharded over > 1 rank): the stack and what the all-to-all receives, then
+  that and its concatenation (the stack is freed once sent); back: the whole results and the
+  send buffer, then that and the rows received;
 - NS on the whole matrices this rank holds (ceil(J_R / ranks) of the J_R rows its replica
-  takes), plus NS's own temporaries per m x n matrix (a = min(m, n), b = max): at most
-  max(4 a^2 + a b, a^2 + 4 a b) elements (the Gram matrix, its square and their sums, or
-  the next iterate's three terms);
+  takes), plus NS's own temporaries for one chunk of them (`ns_chunk`: as many matrices as
+  keep those within NS_CHUNK_BOUND x the matrices held, at least one), per m x n matrix
+  (a = min(m, n), b = max) at most max(4 a^2 + a b, a^2 + 4 a b) elements
+  (`trainer.muon.ns_temporaries`: the Gram matrix, its square and their sums, or the next
+  iterate's three terms);
 - replicas (> 1 ranks hold the same matrices, HSDP's replicate dim): the all-gather of
   every replica's rows (padded to the largest chunk);
 - apply: the stack's results, plus one parameter's result in fp32 when NS's dtype is not.
@@ -39,6 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from parallelisms.muon_assembly import ns_chunk
+from trainer.muon import ns_temporaries
+
 
 @dataclass
 class OptimizerTerms:
@@ -46,12 +52,6 @@ class OptimizerTerms:
     step: int  # the step's temporaries, beyond the gradients
     device_step: int  # what of `step` stays on the device under fsdp_cpu_offload (Muon's assembly and NS)
     muon_params: int  # local fp32 bytes of the parameters on Muon (0: AdamW)
-
-
-def ns_temporaries(m: int, n: int) -> int:
-    """Elements `newton_schulz` allocates beyond its input for one m x n matrix, at most."""
-    a, b = min(m, n), max(m, n)
-    return max(4 * a * a + a * b, a * a + 4 * a * b)
 
 
 def _stack_peak(count: int, local: tuple, glob: tuple, ranks: int, replicas: int, esize: int,
@@ -66,10 +66,10 @@ def _stack_peak(count: int, local: tuple, glob: tuple, ranks: int, replicas: int
     held = here * whole * esize
     one_param = lead * a * 4  # one parameter's fp32 shard
     phases = [stack + (one_param if nesterov else 0),
-              held + here * ns_temporaries(*glob[-2:]) * esize,
+              held + ns_chunk(here, *glob[-2:], ns_temporaries) * ns_temporaries(*glob[-2:]) * esize,
               results + (one_param if esize != 4 else 0)]
-    if ranks > 1:  # in: the stack, the all-to-all's receive buffer and their concatenation; out: the reverse
-        phases.append(stack + 2 * held)
+    if ranks > 1:  # in: the stack and the all-to-all's receive buffer, then that and their concatenation;
+        phases.append(held + max(stack, held))  # out: the reverse
     if replicas > 1:  # every replica's rows, padded to the largest chunk
         phases.append(stack + replicas * taken * a * esize)
     return max(phases)
