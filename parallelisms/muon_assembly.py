@@ -138,6 +138,15 @@ def _with(shape, dim: int, size: int) -> list[int]:
     return s
 
 
+def _release(t: torch.Tensor) -> None:
+    """Frees the bytes of a buffer that a finished collective used. Dropping the last Python
+    reference is not enough: the collective's work object holds its tensors until its
+    thread lets go of it (gloo's worker, after waking the caller), so the bytes were freed
+    sometimes before the next buffer was allocated and sometimes after. FSDP2 frees its
+    buffers the same way; on a GPU the caller's stream already waits for the collective."""
+    t.untyped_storage().resize_(0)
+
+
 def _send_matrix_dim(x: torch.Tensor, group, me: int, dim: int, sizes: list[int]):
     """All-to-all of a [J, ..., sizes[me], ...] stack: member j gets chunk j of the J rows.
     Returns what this rank received (every member's slice of `dim` of its own chunk, one
@@ -253,9 +262,9 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
     for mesh_dim, dim, sizes in reversed(levels):  # innermost split first
         rows.append(x.shape[0])
         out, pieces = _send_matrix_dim(x, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim, sizes)
-        del x  # sent: freed before the join, so a level holds two stacks' bytes, not three
+        _release(x)  # sent: freed before the join, so a level holds two stacks' bytes, not three
         x = _join_matrix_dim(out, pieces, dim)
-        del out
+        _release(out)
     # [J_here, m, n]: whole matrices, each on this rank only; each chunk's result back in its rows.
     # On CPU a matrix's NS does not depend on the batch (bitwise equal to unchunked); a GPU's
     # batched matmuls may pick other kernels for another batch size (equal within rounding).
@@ -268,7 +277,7 @@ def _orthogonalize_stack(params: list[torch.Tensor], idx: list[int], update, fn,
         del x  # packed: freed before the receive buffer is allocated
         x = _return_matrix_dim(send, numels, shape, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), dim,
                                sizes, r)
-        del send
+        _release(send)
     for d, r in zip(reversed(reps), reversed(before)):  # every replica's rows back, innermost split first
         x = _gather_rows(x, mesh.get_group(d), mesh.size(d), r)
     for k, i in enumerate(idx):

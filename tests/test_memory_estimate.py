@@ -61,25 +61,36 @@ def test_estimate_matches_a_real_step_two_rank_fsdp(tmp_path):
 def test_estimate_counts_muon_state_and_step(tmp_path):
     """Muon (trainer/muon.py): its momentum buffers are counted exactly (one fp32 copy of the
     Muon matrices, AdamW's two moments on the rest), and its step's temporaries (one stack at a
-    time: its updates, the assembly's buffers under FSDP, NS's own) are the peak phase at seq 32
-    and agree with the measured step on one rank and on FSDP 2 (whose matrices are assembled by
-    all-to-all). Counting Muon's state as 0 and its step as AdamW's was 33% (one rank) and 55%
-    (FSDP 2) low on the step, 42% and 55% on the total.
+    time: its updates, the assembly's buffers under FSDP, NS's own) agree with the optimizer
+    step measured on one rank and on FSDP 2 (whose matrices are assembled by all-to-all).
+    Counting Muon's state as 0 and its step as AdamW's was 33% (one rank) and 55% (FSDP 2) low
+    on the step, 42% and 55% on the total.
 
-    The step peak gets 25%, not 15%: since the step holds one stack, not every update, it is
-    small here (one rank: 23.5 MiB of gradients + 4.0 of Muon), and RSS grows 5.4-5.7 MiB
-    beyond the step's tensors in this config (LiveBytesTracker over the whole step: 27.51 MiB,
-    the estimate 27.5, RSS 32.9-33.2; before, 65.76 MiB of tensors, RSS 71.4). Muon's
-    temporaries alone are held to the bytes they allocate in tests/test_muon.py and
-    test_muon_assembly.py."""
+    The estimate counts tensors, so it is held to the tensors a real step allocates
+    (`LiveBytesTracker` over one more step): the optimizer step's within 3%, the whole step's
+    within 10%, and the estimate's peak phase is the measured one. At seq 32 the step is small
+    (one rank: 23.5 MiB of gradients + 4.0 of Muon) and RSS grows 4-6 MiB beyond the tensors
+    here, 8.6 MiB on the CI machine: against RSS, a 25% bound failed there. RSS is still held:
+    at least the tensors (they were resident) and at most 16 MiB beyond them. Under FSDP 2 the
+    peak is the first block's backward (the later blocks' gradients and the held
+    reduce-scatter input), which the estimate missed before: 20.8 MiB against 21.4-22.9."""
     muon = ["--optimizer.name", "muon", "--training.seq_len", "32", "--training.local_batch_size", "1"]
-    rows = validate_cases([ValidationCase("muon", DEBUG + muon), ValidationCase("muon-fsdp2", DEBUG + muon, nproc=2)],
+    rows = validate_cases([ValidationCase("muon", DEBUG + muon, tensor_peak=True),
+                           ValidationCase("muon-fsdp2", DEBUG + muon, nproc=2, tensor_peak=True)],
                           str(tmp_path), timeout=450)
-    text = _check_rows(rows, peak_tol=0.25)
+    text = format_validation(rows)
     print(text)
     for r in rows:
+        assert r["hwm_used"], text
+        assert abs(r["saved_err"]) <= 0.05, text
+        assert abs(r["optimizer_step_err"]) <= 0.03, text
+        assert abs(r["tensor_err"]) <= 0.10, text
+        assert abs(r["est_total"] / (r["meas_persistent"] + r["meas_tensor_peak"]) - 1) <= 0.10, text
+        assert 0 <= r["runtime_growth"] <= 16 * 2**20, text
         assert r["est_persistent"] == r["meas_persistent"], (r["case"], text)
-        assert r["peak_phase"] == "optimizer step", text
+        measured_in_step = r["meas_optimizer_step"] >= r["meas_tensor_peak"]
+        assert (r["peak_phase"] == "optimizer step") == measured_in_step, text
+    assert [r["peak_phase"] for r in rows] == ["optimizer step", "block backward"], text
 
 
 DEEPSEEK = ["--config", "deepseek_debug.toml", *DEBUG[2:]]

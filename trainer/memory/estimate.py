@@ -149,6 +149,33 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     return int(buffers * esize)
 
 
+def _earlier_block_backward(layout: Layout, par, heavy: RankParams, rank0: RankParams, blocks, ids: list[int],
+                            activations: int, head_grad_live: int, esize: int, reduce_dtype: torch.dtype,
+                            offload: bool) -> int:
+    """The worst backward of any block (one stage, no accumulated grads): block i's backward
+    runs with the activations of blocks up to i and the local grads of the blocks after it,
+    so on a model whose activations are small next to its parameters the first block's is
+    the step's peak. Under FSDP the norm+output unit has been resharded after its own
+    backward, and FSDP2 keeps the last reduce-scatter's input until the next one starts
+    (`reduce_scatter_max_input_buffers` 1): one block's gathered size in the reduce dtype."""
+    buffers = 0
+    if layout.fsdp:
+        largest = max((b for u, b in heavy.unit_bytes.items() if u.startswith("layers.")), default=0)
+        reshard = par.fsdp_reshard_after_forward != "never"
+        buffers = (2 * largest if reshard else sum(heavy.unit_bytes.values())) * esize
+        buffers += largest * torch.tensor([], dtype=reduce_dtype).element_size()
+    later_grads = 0 if offload else sum(rank0.layer_param_bytes.get(lid, 0) for lid in ids)
+    later_saved = sum(blocks.probes[blocks.kind_of[lid]].saved for lid in ids)
+    worst = 0
+    for lid in ids:  # forward order; block lid's backward runs after every later block's
+        probe = blocks.probes[blocks.kind_of[lid]]
+        later_grads -= 0 if offload else rank0.layer_param_bytes.get(lid, 0)
+        later_saved -= probe.saved  # freed by the later blocks' backward
+        live = buffers + activations - later_saved + later_grads + head_grad_live
+        worst = max(worst, live + probe.input_bytes + probe.backward_extra)
+    return worst
+
+
 def _pp_fsdp_held_grads(heavy: RankParams, reduce_dtype: torch.dtype, grad_accum: int) -> int:
     """Gradients a PP rank under FSDP holds through its step. torch's pipeline stage turns
     FSDP's gradient sync off for every microbatch's backward (`backward_maybe_with_nosync`:
@@ -294,6 +321,10 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         worst_block = pr_last.backward_extra
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
+        if layout.pp == 1 and not accum_grads:
+            phases["block backward"] = max(phases["block backward"], _earlier_block_backward(
+                layout, par, heavy, per_rank[0], blocks, stage_layers[0], activations, head_grad_live, esize,
+                precision.reduce, offload))
     opt_tmp = opt.step
     phases["optimizer step"] = grads + opt_tmp
     if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:

@@ -133,6 +133,7 @@ def _relabel(p: RankParams, ids: dict) -> RankParams:
 
     return dataclasses.replace(p, unit_bytes={unit(k): v for k, v in p.unit_bytes.items()},
                                matrix_numel={ids[k]: v for k, v in p.matrix_numel.items()},
+                               layer_param_bytes={ids[k]: v for k, v in p.layer_param_bytes.items()},
                                matrices={name(k): v for k, v in p.matrices.items()})
 
 

@@ -84,13 +84,53 @@ def _local_tensors(tensors):
         yield t.to_local() if hasattr(t, "to_local") else t
 
 
-def measure_step(argv: list[str]) -> dict:
+def _tensor_peaks(trainer) -> tuple[int, int]:
+    """One more step under `LiveBytesTracker`: the peak of the tensors it allocates (above the
+    parameters, buffers and optimizer states), over the whole step and over the optimizer
+    step alone (its pre- and post-hooks bracket it: the gradients, complete by then, count)."""
+    from trainer.memory.probes import LiveBytesTracker
+
+    parts = trainer.model_parts
+    batches = trainer.next_microbatches()
+    for opt in trainer.optimizers:
+        opt.zero_grad(set_to_none=True)
+    gc.collect()
+    # Local shards: `plain_tensors` keeps an nn.Parameter (FSDP2's DTensor parameters) whole.
+    resident = list(_local_tensors(t for p in parts for t in list(p.parameters()) + list(p.buffers())))
+    resident += _local_tensors(v for o in trainer.optimizers for st in o.state.values() for v in st.values()
+                               if isinstance(v, torch.Tensor))
+    seen = {"step": 0, "before": 0}
+    with LiveBytesTracker(resident, follow_resizes=True) as tracker:
+        def before(*_):
+            seen["before"] = tracker.peak  # the step's peak so far, kept while the optimizer's is taken
+            tracker.reset_peak()
+
+        def after(*_):
+            seen["step"] = max(seen["step"], tracker.peak)
+            tracker.peak = max(tracker.peak, seen["before"])
+
+        hooks = [h for o in trainer.optimizers for h in (o.register_step_pre_hook(before),
+                                                           o.register_step_post_hook(after))]
+        try:
+            trainer.train_step(batches)
+        finally:
+            for h in hooks:
+                h.remove()
+    return int(tracker.peak), int(seen["step"])
+
+
+def measure_step(argv: list[str], tensor_peak: bool = False) -> dict:
     """Builds the trainer for `argv` in this process, runs one warm-up step (AC policies
     calibrate on it), one step counting the activation bytes saved for backward with the
     AC module's counter (autograd saved tensors + SAC cache), then measures the peak RSS growth of one more step
     above a baseline taken after the warm-up with gradients freed (params + optimizer
     states resident). Run it in a fresh process with `MALLOC_ENV` so that frees return
-    memory. Leaves the process group (if any) open for the next case."""
+    memory. Leaves the process group (if any) open for the next case.
+
+    `tensor_peak`: one more step under `LiveBytesTracker`, whose peak is the step's tensor
+    bytes alone (what the estimate counts), without the runtime's own growth (gloo's
+    buffers, Python objects, small mallocs) that RSS adds: 5-9 MiB, which decides a small
+    step's RSS error and varies from machine to machine."""
     from parallelisms.ac_measure import SavedActivationCounter
     from trainer.config import load_config
     from trainer.train import Trainer
@@ -118,12 +158,16 @@ def measure_step(argv: list[str]) -> dict:
             trainer.train_step(batches)
         hwm = _hwm_bytes() if hwm_ok else None
         peak = max(sampler.peak, hwm or 0)
+        tracked = step_tracked = None
+        if tensor_peak:
+            tracked, step_tracked = _tensor_peaks(trainer)
         persistent = sum(t.numel() * t.element_size() for p in parts for t in _local_tensors(p.parameters()))
         persistent += sum(t.numel() * t.element_size() for o in trainer.optimizers for st in o.state.values()
                           for t in _local_tensors(v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
         return {"saved_bytes": int(saved), "saved_breakdown": saved_breakdown, "rss_base": base, "rss_peak": peak,
                 "peak_growth": int(peak - base), "hwm_used": hwm is not None, "sampler_peak": sampler.peak,
-                "persistent_bytes": int(persistent), "rank": trainer.rank}
+                "persistent_bytes": int(persistent), "rank": trainer.rank, "tensor_peak": tracked,
+                "optimizer_step_tensor_peak": step_tracked}
     finally:
         trainer.close(destroy_process_group=False)
 
@@ -134,7 +178,7 @@ def _measure_main(spec_path: str) -> int:
     import torch.distributed as dist
 
     for case in json.loads(open(spec_path).read()):
-        result = measure_step(case["argv"])
+        result = measure_step(case["argv"], tensor_peak=case.get("tensor_peak", False))
         with open(f"{case['out']}.rank{result['rank']}", "w") as f:
             json.dump(result, f)
         gc.collect()

@@ -49,10 +49,17 @@ class LiveBytesTracker(TorchDispatchMode):
     count its storage; add their bytes yourself where they belong. Works on real, fake
     and meta tensors; only storage sizes are read. Kernel-internal workspaces are not
     seen; on a DTensor the tracker sees the local ops DTensor runs.
+
+    `follow_resizes`: re-read every live storage's size after each op. FSDP2 frees and
+    re-allocates its unsharded parameters by resizing their storages in place, which no op
+    shows: without this, each layer's gathered parameters would count until the step ends.
+    Costs a pass over the live storages per op, so it is for real steps of small models
+    (`measure_step`), not for the estimator's probes.
     """
 
-    def __init__(self, existing=(), fp32_grouped_mm: bool = False):
+    def __init__(self, existing=(), fp32_grouped_mm: bool = False, follow_resizes: bool = False):
         super().__init__()
+        self._follow_resizes = follow_resizes
         # fp32 grouped GEMMs get outputs on fake tensors (`_run_fp32_grouped_mm`): done here,
         # not by a mode of its own, because every extra mode costs Python on every op.
         self._run = _run_fp32_grouped_mm if fp32_grouped_mm else (lambda func, args, kwargs: func(*args, **kwargs))
@@ -99,6 +106,11 @@ class LiveBytesTracker(TorchDispatchMode):
         gone = [key for key in self._live if expired(key.cdata)]
         for key in gone:
             self.current -= self._live.pop(key)
+        if self._follow_resizes:
+            storage = torch.UntypedStorage._new_with_weak_ptr
+            for key in self._live:
+                self._live[key] = int(storage(key.cdata).nbytes())
+            self.current = sum(self._live.values())
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,7 +131,7 @@ class LiveBytesTracker(TorchDispatchMode):
                     self._live[key] = int(st.nbytes())
                     self.current += self._live[key]
                     added = True
-        if added:
+        if added or self._follow_resizes:
             self._refresh()
         return out
 

@@ -45,6 +45,7 @@ class RankParams:
     # >= 2-D parameter (wrapper prefixes removed) -> (local shape, global shape, ranks sharding its
     # last two dims, ranks replicating it): what the optimizer terms read (trainer/memory/optimizer_terms.py)
     matrices: dict = field(default_factory=dict)
+    layer_param_bytes: dict = field(default_factory=dict)  # layer id -> its local fp32 shards (its grads' bytes)
 
 
 def _layer_key(name: str) -> str:
@@ -72,6 +73,9 @@ def read_modules(part) -> dict[str, RankParams]:
         r.param_bytes += tensor_bytes([p])
         if name.startswith(("norm.", "output.")):
             r.head_param_bytes += tensor_bytes([p])
+        if name.startswith("layers."):
+            lid = int(name.split(".")[1])
+            r.layer_param_bytes[lid] = r.layer_param_bytes.get(lid, 0) + tensor_bytes([p])
         if name.startswith("layers.") and p.dim() == 2:
             lid = int(name.split(".")[1])
             r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + shard(p).numel()
@@ -101,14 +105,17 @@ def merge_params(readings) -> RankParams:
     units: dict = {}
     matrix: dict = {}
     matrices: dict = {}
+    layers: dict = {}
     for r in readings:
         matrices.update(r.matrices)
+        for k, v in r.layer_param_bytes.items():
+            layers[k] = layers.get(k, 0) + v
         for k, v in r.unit_bytes.items():
             units[k] = units.get(k, 0) + v
         for k, v in r.matrix_numel.items():
             matrix[k] = matrix.get(k, 0) + v
     return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix,
-                      sum(r.fsdp_param_bytes for r in readings), matrices)
+                      sum(r.fsdp_param_bytes for r in readings), matrices, layers)
 
 
 def read_params(parts) -> RankParams:

@@ -26,6 +26,7 @@ class ValidationCase:
     name: str
     argv: list  # trainer CLI args
     nproc: int = 1
+    tensor_peak: bool = False  # also measure the step's tensor bytes alone (`measure_step`)
 
 
 def run_measurements(cases: list[ValidationCase], workdir: str, timeout: int = 300) -> dict[str, list[dict]]:
@@ -45,7 +46,7 @@ def run_measurements(cases: list[ValidationCase], workdir: str, timeout: int = 3
         spec_path = Path(workdir) / f"cases{nproc}.json"
         spec_path.write_text(json.dumps([
             {"name": c.name, "argv": list(c.argv) + ["--job.dump_folder", str(Path(workdir) / c.name)],
-             "out": str(Path(workdir) / f"{c.name}.json")} for c in group]))
+             "out": str(Path(workdir) / f"{c.name}.json"), "tensor_peak": c.tensor_peak} for c in group]))
         cmd = [sys.executable, "-m", "trainer.memory.measure", "--measure-cases", str(spec_path)]
         if nproc > 1:
             import socket
@@ -102,6 +103,12 @@ def validate_cases(cases: list[ValidationCase], workdir: str, timeout: int = 300
             "est_persistent": est.persistent, "meas_persistent": max(r["persistent_bytes"] for r in ranks),
             "peak_phase": max(est.phases, key=est.phases.get), "hwm_used": m["hwm_used"],
         })
+        if case.tensor_peak:
+            tensors = max(r["tensor_peak"] for r in ranks)
+            opt_step = max(r["optimizer_step_tensor_peak"] for r in ranks)
+            rows[-1].update(meas_tensor_peak=tensors, tensor_err=est.step_peak / tensors - 1,
+                            runtime_growth=m["peak_growth"] - tensors, est_optimizer_step=est.phases["optimizer step"],
+                            meas_optimizer_step=opt_step, optimizer_step_err=est.phases["optimizer step"] / opt_step - 1)
     return rows
 
 
@@ -115,5 +122,9 @@ def format_validation(rows: list[dict]) -> str:
             f"{r['case']:<22}{r['nproc']:>5} {r['est_saved'] / MiB:>8.1f}Mi {r['meas_saved'] / MiB:>8.1f}Mi "
             f"{r['saved_err'] * 100:>+6.1f}%  {r['est_step_peak'] / MiB:>11.1f}Mi {r['meas_peak_growth'] / MiB:>8.1f}Mi "
             f"{r['peak_err'] * 100:>+6.1f}%  {r['est_total'] / MiB:>8.1f}Mi {r['meas_total'] / MiB:>8.1f}Mi "
-            f"{r['total_err'] * 100:>+6.1f}%  {r['peak_phase']}")
+            f"{r['total_err'] * 100:>+6.1f}%  {r['peak_phase']}"
+            + (f"\n{'':<27}tensors: step {r['meas_tensor_peak'] / MiB:.1f}Mi (est {r['tensor_err'] * 100:+.1f}%),"
+               f" optimizer step {r['meas_optimizer_step'] / MiB:.1f}Mi (est {r['est_optimizer_step'] / MiB:.1f}Mi,"
+               f" {r['optimizer_step_err'] * 100:+.1f}%); RSS beyond the step's tensors {r['runtime_growth'] / MiB:+.1f}Mi"
+               if "meas_tensor_peak" in r else ""))
     return "\n".join(lines)
