@@ -134,6 +134,22 @@ def test_live_bytes_tracker_follows_frees():
         assert t.sample() == 0
 
 
+def test_live_bytes_tracker_follows_storage_resizes_when_asked():
+    """FSDP2 frees and re-allocates its gathered parameters by resizing their storages, which
+    no op shows: `follow_resizes` re-reads the sizes, so a resized-away buffer stops counting
+    and one grown back counts again; without it the first size counts until the end."""
+    for follow in (True, False):
+        with LiveBytesTracker(follow_resizes=follow) as t:
+            a = torch.ones(1000)
+            a.untyped_storage().resize_(0)
+            b = torch.ones(3000)
+            assert t.peak == (3000 if follow else 4000) * 4
+            a.untyped_storage().resize_(2000 * 4)
+            c = a.view(-1)  # an op after the resize
+            assert t.sample() == (5000 if follow else 4000) * 4
+            del a, b, c
+
+
 def test_live_bytes_tracker_peaks_equal_a_refresh_after_every_op():
     """The tracker drops freed storages only when an op adds one (the peak can rise only then):
     the same peaks as dropping them after every op, through a block's forward and backward."""

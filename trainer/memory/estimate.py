@@ -149,7 +149,7 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     return int(buffers * esize)
 
 
-def _earlier_block_backward(layout: Layout, par, heavy: RankParams, rank0: RankParams, blocks, ids: list[int],
+def _worst_block_backward(layout: Layout, par, heavy: RankParams, rank0: RankParams, blocks, ids: list[int],
                             activations: int, head_grad_live: int, esize: int, reduce_dtype: torch.dtype,
                             offload: bool) -> int:
     """The worst backward of any block (one stage, no accumulated grads): block i's backward
@@ -322,7 +322,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
         if layout.pp == 1 and not accum_grads:
-            phases["block backward"] = max(phases["block backward"], _earlier_block_backward(
+            phases["block backward"] = max(phases["block backward"], _worst_block_backward(
                 layout, par, heavy, per_rank[0], blocks, stage_layers[0], activations, head_grad_live, esize,
                 precision.reduce, offload))
     opt_tmp = opt.step
