@@ -120,10 +120,15 @@ def ffn_plan(prefix: str, block: nn.Module, sp: bool, ep: int, plan: dict) -> No
 
 
 def finish_moe_block(block: nn.Module, tp_mesh, sp: bool, ep: int) -> None:
-    """After `apply_plan`: under SP each rank routes its own sequence shard."""
-    if block.moe_enabled and sp:
+    """After `apply_plan`: the routed experts compute on their local tensors; under SP each
+    rank routes its own sequence shard."""
+    from parallelisms.expert_parallel import LocalExpertWeights
+
+    if not block.moe_enabled:
+        return
+    # Under SP, replicated routed experts are fed this rank's own tokens: their gradient is
+    # partial over TP. (Under EP, which runs after TP, EP installs its own.)
+    block.moe.experts.local_weights = LocalExpertWeights(partial_over_replicate=sp and ep <= 1)
+    if sp:
         # The balance loss counts picks over whole sequences (its router gradient is summed over TP).
         add_sequence_shard_mesh(block.moe, tp_mesh)
-        if ep <= 1:
-            # Replicated routed experts fed this rank's own tokens: their gradient is partial over TP.
-            block.moe.experts.partial_grad_over_replicate = True

@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd, wait_tensor
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 
 def routed_experts(model_args) -> int:
@@ -154,6 +154,26 @@ def _moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+class LocalExpertWeights:
+    """`GroupedExperts.local_weights` for experts whose w1/w2/w3 are DTensors (EP's Shard(0)
+    on the expert dim, TP's Replicate; FSDP's gathered weights of such experts are DTensors
+    too): the local tensors, which the grouped GEMMs take. `partial_over_replicate`: the TP
+    ranks feed their replicated weights different tokens (sequence parallel), so each local
+    gradient is a partial sum, marked `Partial` for DTensor to sum. Plain tensors (FSDP
+    alone, between its all-gather and reshard) pass through."""
+
+    def __init__(self, partial_over_replicate: bool = False):
+        self.partial_over_replicate = partial_over_replicate
+
+    def __call__(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not isinstance(weights[0], DTensor):
+            return weights
+        grad_placements = None
+        if self.partial_over_replicate:
+            grad_placements = [Partial() if p.is_replicate() else p for p in weights[0].placements]
+        return tuple(w.to_local(grad_placements=grad_placements) for w in weights)
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh, expert_fsdp_mesh=None) -> int:
     """Shards every MoE layer's routed experts of `model` (one model part, possibly on the
     meta device) over `ep_mesh` (Shard(0) on the expert dim) and installs the dispatcher.
@@ -166,6 +186,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, expert_fsdp_mesh=None) -> i
             dt = distribute_tensor(param.data if not param.is_meta else param, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         experts._expert_fsdp_mesh = expert_fsdp_mesh  # read by parallelisms/fsdp.py
+        experts.local_weights = LocalExpertWeights()
         moe.token_dispatcher = ExpertParallelDispatcher(ep_mesh, moe.num_experts)
     return len(layers)
 

@@ -1,7 +1,7 @@
 """Import rules between the packages, checked with `ast` (no imports are executed).
 
 - model code (`models/*/model.py`, `models/common/`) imports nothing from `trainer` or
-  `parallelisms`: parallelism is applied from outside, by plans;
+  `parallelisms`, nor DTensor: parallelism is applied from outside, by plans;
 - `parallelisms` imports nothing from `trainer`: its config fields come from the
   stdlib-only config leaf, the `configuration` package below both;
 - nothing in `models` or `parallelisms` imports `trainer.train`;
@@ -65,6 +65,13 @@ def test_model_code_knows_nothing_of_trainer_or_parallelisms():
     files = _files("models/*/model.py", "models/common/**/*.py")
     assert len(files) >= 6
     assert not _violations(files, lambda m: _under(m, "trainer") or _under(m, "parallelisms"))
+
+
+def test_model_code_does_not_handle_dtensors():
+    """The layers compute on the tensors they are given: a plan that makes weights DTensors
+    gives the layer the local ones (e.g. `GroupedExperts.local_weights`, set by EP and TP)."""
+    files = _files("models/*/model.py", "models/common/**/*.py")
+    assert not _violations(files, lambda m: _under(m, "torch.distributed.tensor"))
 
 
 def test_parallelisms_import_nothing_from_trainer():

@@ -36,7 +36,6 @@ from typing import Iterable, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial
 
 from models.common.decoder import FeedForward
 from models.common.grouped_gemm import experts_grouped_mm, experts_loop, grouped_mm_alignment, grouped_mm_supported
@@ -155,12 +154,12 @@ class GroupedExperts(nn.Module):
 
     out_e(x) = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]. Dim 0 is the expert dim that EP shards.
 
-    `partial_grad_over_replicate`: set by a TP plan whose ranks feed these (replicated)
-    weights different tokens (sequence parallel): the local gradient is then a partial
-    sum over those ranks, and is marked `Partial` so that DTensor sums it.
+    `local_weights`: set by a parallel plan that makes w1/w2/w3 distributed tensors (EP, TP;
+    `parallelisms.expert_parallel.LocalExpertWeights`): (w1, w2, w3) -> the tensors this rank
+    computes with. The grouped GEMMs run on plain tensors; this module knows no layout.
     """
 
-    partial_grad_over_replicate: bool = False
+    local_weights = None
     # Set by parallelisms/float8.py (`float8.moe_grouped_gemm`): grouped GEMMs in float8.
     float8_grouped_mm: bool = False
     # Set by `store_for_kernel`: w1/w2/w3 are held as [E, N, K] (see there).
@@ -185,7 +184,7 @@ class GroupedExperts(nn.Module):
         exports do not depend on it; init draws the same values."""
         if self.kernel_layout:
             return
-        if any(isinstance(getattr(self, n), DTensor) for n in ("w1", "w2", "w3")):
+        if self.local_weights is not None or any(type(getattr(self, n)) is not nn.Parameter for n in ("w1", "w2", "w3")):
             raise RuntimeError("store_for_kernel must run before the experts are sharded")
         for name in ("w1", "w2", "w3"):
             p = getattr(self, name)
@@ -202,11 +201,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] rows grouped by expert in order 0..E-1; num_tokens_per_expert: [E] int."""
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if isinstance(w1, DTensor):  # EP/TP-sharded: compute on the local shard
-            grad_placements = None
-            if self.partial_grad_over_replicate:
-                grad_placements = [Partial() if p.is_replicate() else p for p in w1.placements]
-            w1, w2, w3 = (w.to_local(grad_placements=grad_placements) for w in (w1, w2, w3))
+        if self.local_weights is not None:
+            w1, w2, w3 = self.local_weights(w1, w2, w3)
         if self.kernel_layout:  # [E, N, K] -> [E, K, N] views, column-major per expert
             w1, w2, w3 = w1.mT, w2.mT, w3.mT
         if torch.is_autocast_enabled(x.device.type):
