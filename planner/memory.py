@@ -11,7 +11,9 @@ distinct stage or module shape, probes shared across keys, equal bytes to the fu
 and a plan is then read off it:
 
 - parameters, gradients and AdamW states are sharded over dp_shard (x cp, x tp for
-  experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding);
+  experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding),
+  also the gradients a backward phase holds (`MemoryEstimate.phase_grads`: the blocks
+  done with backward while an earlier block runs its own);
 - what the blocks keep for backward, the loss peak and a block's backward transient are
   linear in the microbatch's tokens; under PP the kept activations also scale with the
   schedule's in-flight stage-microbatches (`_in_flight_units`, the estimator's own rule);
@@ -40,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from planner.layout import Plan
+from trainer.memory.estimate import EARLIER_BLOCK_BACKWARD
 
 
 @dataclass
@@ -282,20 +285,29 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
     else:
         accum_new = est.grads * s if (plan.grad_accum > 1 or plan.pp > 1) else 0
     phases = {}
-    for name, v in est.phases.items():
-        if name == "optimizer step":
-            phases[name] = v * s
-            continue
-        residual = v - est.fsdp_buffers - accum_ref - est.activations
+    def read(v, grads, v2):
+        """A backward or forward phase of `v` bytes (`v2` at twice the tokens), `grads` of them
+        the gradients of the blocks done with backward (sharded like the optimizer step's)."""
+        residual = v - est.fsdp_buffers - accum_ref - est.activations - grads
         if est2 is not None:
-            residual2 = est2.phases[name] - est2.fsdp_buffers - accum_ref - est2.activations
+            residual2 = v2 - est2.fsdp_buffers - accum_ref - est2.activations - grads
             grows = residual2 - residual  # per reference microbatch of tokens
             residual_new = residual + grows * (tok - 1)
         elif bound:
             residual_new = residual * (2 - tok)
         else:
             residual_new = residual * tok
-        phases[name] = est.fsdp_buffers + accum_new + est.activations * act + residual_new
+        return est.fsdp_buffers + accum_new + est.activations * act + residual_new + grads * s
+
+    for name, v in est.phases.items():
+        if name == "optimizer step":
+            phases[name] = v * s
+        elif name == EARLIER_BLOCK_BACKWARD:  # block by block: which is the worst depends on s
+            twice = est2.earlier_blocks if est2 is not None else [(0, 0)] * len(est.earlier_blocks)
+            phases[name] = max(read(b, g, b2) for (b, g), (b2, _) in zip(est.earlier_blocks, twice))
+        else:
+            v2 = est2.phases[name] if est2 is not None else 0
+            phases[name] = read(v, est.phase_grads.get(name, 0), v2)
     persistent = est.persistent * s
     peak_phase = max(phases, key=phases.get)
     tensors = int(persistent + phases[peak_phase])

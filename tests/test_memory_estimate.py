@@ -86,11 +86,11 @@ def test_estimate_counts_muon_state_and_step(tmp_path):
         assert abs(r["optimizer_step_err"]) <= 0.03, text
         assert abs(r["tensor_err"]) <= 0.10, text
         assert abs(r["est_total"] / (r["meas_persistent"] + r["meas_tensor_peak"]) - 1) <= 0.10, text
-        assert 0 <= r["runtime_growth"] <= 16 * 2**20, text
+        assert all(0 <= g <= 16 * 2**20 for g in r["runtime_growth_by_rank"]), text
         assert r["est_persistent"] == r["meas_persistent"], (r["case"], text)
         measured_in_step = r["meas_optimizer_step"] >= r["meas_tensor_peak"]
         assert (r["peak_phase"] == "optimizer step") == measured_in_step, text
-    assert [r["peak_phase"] for r in rows] == ["optimizer step", "block backward"], text
+    assert [r["peak_phase"] for r in rows] == ["optimizer step", "earlier block backward"], text
 
 
 DEEPSEEK = ["--config", "deepseek_debug.toml", *DEBUG[2:]]

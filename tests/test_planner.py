@@ -139,6 +139,24 @@ def test_estimates_are_cached_per_local_shape_and_scale_exactly():
         scale(est, ref_plan, Plan(4, 1, 4, local_batch=8, ac="op"), est2)
 
 
+def test_backward_phase_gradients_scale_with_the_sharding():
+    """At seq 32 the debug model's peak is the first block's backward, which holds the later
+    blocks' sharded gradients: read off a dp_shard 2 reference, a dp_shard 8 plan must agree
+    with the estimator itself (before `phase_grads` the planner kept the reference's
+    gradients: +25% at dp_shard 8; the reference's worst block alone, with its
+    gradients scaled, -3.7%: at dp_shard 8 a later block is the worst)."""
+    from planner.layout import Plan
+    from planner.memory import MemoryModel
+
+    mm = MemoryModel(["--config", "llama_debug.toml", "--data.type", "synthetic", "--training.seq_len", "32"],
+                     "cpu", 64)
+    plan = Plan(8, 1, 8, local_batch=1, ac="full")
+    read = mm.of(plan)
+    exact = mm.estimate_exact(plan)
+    assert not read.exact and read.peak_phase == max(exact.phases, key=exact.phases.get) == "earlier block backward"
+    assert read.tensors == pytest.approx(exact.total, rel=0.01)
+
+
 def test_predicted_memory_matches_a_measured_step():
     """Two 1-rank layouts whose plan memory is scaled (local batch 4) from the reference
     estimate (local batch 1), against the measured RSS growth of a real step: within 15%."""

@@ -73,6 +73,12 @@ class MemoryEstimate:
     # gradients held through the forward and backward phases (accumulation; PP with FSDP:
     # unsharded, `_pp_fsdp_held_grads`); 0 when they exist only from the backward on
     held_grads: int = 0
+    # the local gradients of the blocks and modules done with backward, inside a backward
+    # phase (they shrink with the sharding, planner/memory.py); not `held_grads`
+    phase_grads: dict = field(default_factory=dict)
+    # (bytes, of which gradients) of each block's backward before the last's: the
+    # "earlier block backward" phase is their largest (`_earlier_block_backward`)
+    earlier_blocks: list = field(default_factory=list)
 
     @property
     def persistent(self) -> int:
@@ -149,31 +155,45 @@ def _fsdp_buffers(layout: Layout, par, heavy: RankParams, esize: int, dtype: tor
     return int(buffers * esize)
 
 
-def _worst_block_backward(layout: Layout, par, heavy: RankParams, rank0: RankParams, blocks, ids: list[int],
-                            activations: int, head_grad_live: int, esize: int, reduce_dtype: torch.dtype,
-                            offload: bool) -> int:
-    """The worst backward of any block (one stage, no accumulated grads): block i's backward
-    runs with the activations of blocks up to i and the local grads of the blocks after it,
-    so on a model whose activations are small next to its parameters the first block's is
-    the step's peak. Under FSDP the norm+output unit has been resharded after its own
-    backward, and FSDP2 keeps the last reduce-scatter's input until the next one starts
-    (`reduce_scatter_max_input_buffers` 1): one block's gathered size in the reduce dtype."""
-    buffers = 0
-    if layout.fsdp:
-        largest = max((b for u, b in heavy.unit_bytes.items() if u.startswith("layers.")), default=0)
-        reshard = par.fsdp_reshard_after_forward != "never"
-        buffers = (2 * largest if reshard else sum(heavy.unit_bytes.values())) * esize
-        buffers += largest * torch.tensor([], dtype=reduce_dtype).element_size()
-    later_grads = 0 if offload else sum(rank0.layer_param_bytes.get(lid, 0) for lid in ids)
+EARLIER_BLOCK_BACKWARD = "earlier block backward"
+
+
+def _earlier_block_backward(layout: Layout, par, rank0: RankParams, blocks, ids: list[int], activations: int,
+                            head_grads: int, esize: int, reduce_dtype: torch.dtype,
+                            offload: bool) -> list[tuple[int, int]]:
+    """(bytes, of which local gradients) of each block's backward but the last's (one stage, no
+    accumulated grads). Block k's backward runs with the activations of blocks up to
+    k and the local gradients of everything whose backward came before: the later blocks,
+    DeepSeek's MTP modules and the head (`head_grads`). Where activations are small next to
+    the parameters that makes the first block's backward the step's peak. The gradients are
+    returned apart, block by block, because a planner scales them with the sharding
+    (planner/memory.py), and which block is the worst depends on it.
+
+    FSDP2 at block k: k's unit and the one it prefetches (block k-1's; the embedding's for
+    the first block) are gathered, or, without reshard after forward, every unit up to k
+    (backward still reshards each after its own); the norm+output unit has been resharded;
+    and block k+1's reduce-scatter input is held until k's starts
+    (`reduce_scatter_max_input_buffers` 1), in the reduce dtype."""
+    units = rank0.unit_bytes
+    unit = [units.get(f"layers.{lid}", 0) for lid in ids]
+    embedding = units.get("tok_embeddings", 0)
+    rsize = torch.tensor([], dtype=reduce_dtype).element_size()
+    grads_of = [0 if offload else rank0.layer_param_bytes.get(lid, 0) for lid in ids]
+    later_grads = sum(grads_of) + (0 if offload else rank0.early_param_bytes) + (0 if offload else head_grads)
     later_saved = sum(blocks.probes[blocks.kind_of[lid]].saved for lid in ids)
-    worst = 0
-    for lid in ids:  # forward order; block lid's backward runs after every later block's
+    out = []
+    for k, lid in enumerate(ids[:-1]):  # forward order; block k's backward runs after every later block's
         probe = blocks.probes[blocks.kind_of[lid]]
-        later_grads -= 0 if offload else rank0.layer_param_bytes.get(lid, 0)
+        later_grads -= grads_of[k]
         later_saved -= probe.saved  # freed by the later blocks' backward
-        live = buffers + activations - later_saved + later_grads + head_grad_live
-        worst = max(worst, live + probe.input_bytes + probe.backward_extra)
-    return worst
+        buffers = 0
+        if layout.fsdp:
+            prefetched = unit[k - 1] if k else embedding
+            gathered = unit[k] + prefetched if par.fsdp_reshard_after_forward != "never" else sum(unit[:k + 1]) + embedding
+            buffers = gathered * esize + unit[k + 1] * rsize
+        live = buffers + activations - later_saved + later_grads + probe.input_bytes + probe.backward_extra
+        out.append((live, later_grads))
+    return out
 
 
 def _pp_fsdp_held_grads(heavy: RankParams, reduce_dtype: torch.dtype, grad_accum: int) -> int:
@@ -313,6 +333,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
     # Backward through the blocks, last first: blocks before i still hold activations,
     # blocks after i hold their (local, fp32) grads; block i runs its backward transient.
     worst_block = 0
+    phase_grads: dict[str, int] = {}
+    earlier: list[tuple[int, int]] = []
     if stage_layers and stage_layers[-1]:
         pr_last: BlockProbe = blocks.probes[blocks.kind_of[stage_layers[-1][-1]]]
         head_grad_live = heavy.head_param_bytes if layout.fsdp else head.weight_grad_bytes
@@ -321,10 +343,11 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         worst_block = pr_last.backward_extra
         phases["block backward"] = (fsdp_buffers + accum_grads + activations + head_grad_live +
                                     pr_last.input_bytes + worst_block)
-        if layout.pp == 1 and not accum_grads:
-            phases["block backward"] = max(phases["block backward"], _worst_block_backward(
-                layout, par, heavy, per_rank[0], blocks, stage_layers[0], activations, head_grad_live, esize,
-                precision.reduce, offload))
+        phase_grads["block backward"] = head_grad_live
+        if layout.pp == 1 and not accum_grads and len(stage_layers[0]) > 1:
+            earlier = _earlier_block_backward(layout, par, per_rank[0], blocks, stage_layers[0], activations,
+                                              head_grad_live, esize, precision.reduce, offload)
+            phases[EARLIER_BLOCK_BACKWARD], phase_grads[EARLIER_BLOCK_BACKWARD] = max(earlier)
     opt_tmp = opt.step
     phases["optimizer step"] = grads + opt_tmp
     if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:
@@ -361,7 +384,8 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         loss_peak=int(loss_peak), loss_peak_other=None if loss_peak_other is None else int(loss_peak_other),
         block_backward=int(worst_block), optimizer_step=int(opt_tmp), phases={k: int(v) for k, v in phases.items()},
         optimizer_states="Muon: 1, AdamW: 2 x fp32" if cfg.optimizer.name == "muon" else "AdamW: 2 x fp32",
-        notes=notes, device_terms=device_terms, held_grads=int(accum_grads))
+        notes=notes, device_terms=device_terms, held_grads=int(accum_grads),
+        phase_grads={k: int(v) for k, v in phase_grads.items()}, earlier_blocks=earlier)
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -46,6 +46,7 @@ class RankParams:
     # last two dims, ranks replicating it): what the optimizer terms read (trainer/memory/optimizer_terms.py)
     matrices: dict = field(default_factory=dict)
     layer_param_bytes: dict = field(default_factory=dict)  # layer id -> its local fp32 shards (its grads' bytes)
+    early_param_bytes: int = 0  # local shards of modules whose backward precedes the blocks' but the head (MTP)
 
 
 def _layer_key(name: str) -> str:
@@ -76,6 +77,8 @@ def read_modules(part) -> dict[str, RankParams]:
         if name.startswith("layers."):
             lid = int(name.split(".")[1])
             r.layer_param_bytes[lid] = r.layer_param_bytes.get(lid, 0) + tensor_bytes([p])
+        if name.startswith("mtp."):
+            r.early_param_bytes += tensor_bytes([p])
         if name.startswith("layers.") and p.dim() == 2:
             lid = int(name.split(".")[1])
             r.matrix_numel[lid] = r.matrix_numel.get(lid, 0) + shard(p).numel()
@@ -115,7 +118,8 @@ def merge_params(readings) -> RankParams:
         for k, v in r.matrix_numel.items():
             matrix[k] = matrix.get(k, 0) + v
     return RankParams(sum(r.param_bytes for r in readings), units, sum(r.head_param_bytes for r in readings), matrix,
-                      sum(r.fsdp_param_bytes for r in readings), matrices, layers)
+                      sum(r.fsdp_param_bytes for r in readings), matrices, layers,
+                      sum(r.early_param_bytes for r in readings))
 
 
 def read_params(parts) -> RankParams:

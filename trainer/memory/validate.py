@@ -105,10 +105,13 @@ def validate_cases(cases: list[ValidationCase], workdir: str, timeout: int = 300
         })
         if case.tensor_peak:
             tensors = max(r["tensor_peak"] for r in ranks)
-            opt_step = max(r["optimizer_step_tensor_peak"] for r in ranks)
+            opt_step = max(r["optimizer_step_tensor_peak"] for r in ranks)  # 0: the step was skipped
+            # RSS beyond the tensors, rank by rank (the worst RSS rank need not be the worst tensor rank)
+            runtime = [r["peak_growth"] - r["tensor_peak"] for r in ranks]
             rows[-1].update(meas_tensor_peak=tensors, tensor_err=est.step_peak / tensors - 1,
-                            runtime_growth=m["peak_growth"] - tensors, est_optimizer_step=est.phases["optimizer step"],
-                            meas_optimizer_step=opt_step, optimizer_step_err=est.phases["optimizer step"] / opt_step - 1)
+                            runtime_growth=max(runtime, key=abs), runtime_growth_by_rank=runtime,
+                            est_optimizer_step=est.phases["optimizer step"], meas_optimizer_step=opt_step,
+                            optimizer_step_err=est.phases["optimizer step"] / opt_step - 1 if opt_step else float("nan"))
     return rows
 
 
