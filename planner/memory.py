@@ -303,8 +303,11 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
         if name == "optimizer step":
             phases[name] = v * s
         elif name == EARLIER_BLOCK_BACKWARD:  # block by block: which is the worst depends on s
-            twice = est2.earlier_blocks if est2 is not None else [(0, 0)] * len(est.earlier_blocks)
-            phases[name] = max(read(b, g, b2) for (b, g), (b2, _) in zip(est.earlier_blocks, twice))
+            if est2 is not None or not bound:
+                twice = est2.earlier_blocks if est2 is not None else [(0, 0)] * len(est.earlier_blocks)
+                phases[name] = max(read(b, g, b2) for (b, g), (b2, _) in zip(est.earlier_blocks, twice))
+            else:  # what a block keeps is not all activations (its residual may be < 0): the reference's tokens
+                phases[name] = max(b - g + g * s for b, g in est.earlier_blocks) + accum_new - accum_ref
         else:
             v2 = est2.phases[name] if est2 is not None else 0
             phases[name] = read(v, est.phase_grads.get(name, 0), v2)
