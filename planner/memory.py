@@ -303,6 +303,8 @@ def scale(est, ref: Plan, plan: Plan, est2=None, bound: bool = False) -> PlanMem
         if name == "optimizer step":
             phases[name] = v * s
         elif name == EARLIER_BLOCK_BACKWARD:  # block by block: which is the worst depends on s
+            if plan.grad_accum > 1:
+                continue  # the gradients are held all along (`accum_new`): the estimator has no such phase
             if est2 is not None or not bound:
                 twice = est2.earlier_blocks if est2 is not None else [(0, 0)] * len(est.earlier_blocks)
                 phases[name] = max(read(b, g, b2) for (b, g), (b2, _) in zip(est.earlier_blocks, twice))
