@@ -12,8 +12,9 @@ and a plan is then read off it:
 
 - parameters, gradients and AdamW states are sharded over dp_shard (x cp, x tp for
   experts): they scale by dp_shard(reference) / dp_shard (exact up to FSDP's padding),
-  also the gradients a backward phase holds (`MemoryEstimate.phase_grads`: the blocks
-  done with backward while an earlier block runs its own);
+  also the gradients a backward phase holds (`MemoryEstimate.phase_grads`, the head's;
+  `earlier_blocks`, those of the blocks done with backward while an earlier one runs its
+  own, block by block);
 - what the blocks keep for backward, the loss peak and a block's backward transient are
   linear in the microbatch's tokens; under PP the kept activations also scale with the
   schedule's in-flight stage-microbatches (`_in_flight_units`, the estimator's own rule);

@@ -74,7 +74,7 @@ def test_packed_forward_equals_each_document_alone(name, flavor):
 
 def test_dense_and_flex_masks_agree_on_cpu_forward():
     """The flex BlockMask path (used on CUDA) computes what the dense SDPA mask does (forward, eager flex)."""
-    pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch.nn.attention.flex_attention  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
     from torch.nn.attention.flex_attention import flex_attention
 
     from models.common.attention import SDPA, DocumentMask
@@ -95,7 +95,7 @@ def test_dense_and_flex_masks_agree_on_cpu_forward():
 def test_block_mask_from_tile_ranges_equals_create_block_mask(seq):
     """The BlockMask is built from each 128-row tile's document range (no [S, S] tensor): the
     same partial and full tiles, in the same order, as create_block_mask over the mask_mod."""
-    pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch.nn.attention.flex_attention  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
     from torch.nn.attention.flex_attention import create_block_mask
 
     from models.common.attention import DocumentMask

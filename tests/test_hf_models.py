@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
+import safetensors  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
 
 from models.hf_config import HFConfigError  # noqa: E402
 from trainer.hf_io import (  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
 
 from tests.helpers import REPO, TINY, run_in_process  # noqa: E402
 from tests.hf_builders import (add_hf_mtp_layers, build_hf_deepseek, build_hf_llama, hf_logits,  # noqa: E402

@@ -142,7 +142,7 @@ def test_estimates_are_cached_per_local_shape_and_scale_exactly():
 def test_backward_phase_gradients_scale_with_the_sharding():
     """At seq 32 the debug model's peak is the first block's backward, which holds the later
     blocks' sharded gradients: read off a dp_shard 2 reference, a dp_shard 8 plan must agree
-    with the estimator itself (before `phase_grads` the planner kept the reference's
+    with the estimator itself (before `earlier_blocks` the planner kept the reference's
     gradients: +25% at dp_shard 8; the reference's worst block alone, with its
     gradients scaled, -3.7%: at dp_shard 8 a later block is the worst)."""
     from planner.layout import Plan

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
+import safetensors  # noqa: F401  (the dev extra installs it: missing, this fails, not skips)
 
 from models import get_model_spec  # noqa: E402
 from models.hf_config import HFConfigError, model_from_hf_folder  # noqa: E402

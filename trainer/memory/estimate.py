@@ -73,8 +73,8 @@ class MemoryEstimate:
     # gradients held through the forward and backward phases (accumulation; PP with FSDP:
     # unsharded, `_pp_fsdp_held_grads`); 0 when they exist only from the backward on
     held_grads: int = 0
-    # the local gradients of the blocks and modules done with backward, inside a backward
-    # phase (they shrink with the sharding, planner/memory.py); not `held_grads`
+    # the local gradients of modules done with backward inside a backward phase (they shrink
+    # with the sharding, planner/memory.py; not `held_grads`); the earlier blocks' are in `earlier_blocks`
     phase_grads: dict = field(default_factory=dict)
     # (bytes, of which gradients) of each block's backward before the last's: the
     # "earlier block backward" phase is their largest (`_earlier_block_backward`)
@@ -178,8 +178,10 @@ def _earlier_block_backward(layout: Layout, par, rank0: RankParams, blocks, ids:
     unit = [units.get(f"layers.{lid}", 0) for lid in ids]
     embedding = units.get("tok_embeddings", 0)
     rsize = torch.tensor([], dtype=reduce_dtype).element_size()
-    grads_of = [0 if offload else rank0.layer_param_bytes.get(lid, 0) for lid in ids]
-    later_grads = sum(grads_of) + (0 if offload else rank0.early_param_bytes) + (0 if offload else head_grads)
+    grads_of = [rank0.layer_param_bytes.get(lid, 0) for lid in ids]
+    later_grads = sum(grads_of) + rank0.early_param_bytes + head_grads
+    if offload:  # the sharded gradients live on the host
+        grads_of, later_grads = [0] * len(ids), 0
     later_saved = sum(blocks.probes[blocks.kind_of[lid]].saved for lid in ids)
     out = []
     for k, lid in enumerate(ids[:-1]):  # forward order; block k's backward runs after every later block's
@@ -347,7 +349,7 @@ def estimate_memory(cfg, world_size: int | None = None, *, device: str = "cuda",
         if layout.pp == 1 and not accum_grads and len(stage_layers[0]) > 1:
             earlier = _earlier_block_backward(layout, par, per_rank[0], blocks, stage_layers[0], activations,
                                               head_grad_live, esize, precision.reduce, offload)
-            phases[EARLIER_BLOCK_BACKWARD], phase_grads[EARLIER_BLOCK_BACKWARD] = max(earlier)
+            phases[EARLIER_BLOCK_BACKWARD] = max(live for live, _ in earlier)
     opt_tmp = opt.step
     phases["optimizer step"] = grads + opt_tmp
     if not layout.fsdp and layout.world > 1 and par.data_parallel_shard_degree == -1:

@@ -84,39 +84,52 @@ def _local_tensors(tensors):
         yield t.to_local() if hasattr(t, "to_local") else t
 
 
-def _tensor_peaks(trainer) -> tuple[int, int]:
-    """One more step under `LiveBytesTracker`: the peak of the tensors it allocates (above the
-    parameters, buffers and optimizer states), over the whole step and over the optimizer
-    step alone (its pre- and post-hooks bracket it: the gradients, complete by then, count)."""
+def _optimizer_states(trainer):
+    """The local tensors of every optimizer's state (scalar step counters included)."""
+    return _local_tensors(v for o in trainer.optimizers for st in o.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor))
+
+
+def _tensor_peaks(trainer, steps: int = 5) -> tuple[int, int]:
+    """`steps` more steps under `LiveBytesTracker`: the peak of the tensors a step allocates
+    (above the parameters, buffers and optimizer states), over the whole step and over the
+    optimizer step alone (its pre- and post-hooks bracket it: the gradients, complete by then,
+    count); the smallest of the steps'. Why the smallest: gloo's worker thread holds a
+    collective's tensors for a moment after waking the caller, so a buffer that FSDP2 or Muon
+    drops may outlive the next allocation; that race only adds (one FSDP 2 step peaked at
+    21.4 MiB in some runs, 24.4 in another), and the step's own tensors are what is left
+    without it."""
     from trainer.memory.probes import LiveBytesTracker
 
     parts = trainer.model_parts
-    batches = trainer.next_microbatches()
-    for opt in trainer.optimizers:
-        opt.zero_grad(set_to_none=True)
-    gc.collect()
     # Local shards: `plain_tensors` keeps an nn.Parameter (FSDP2's DTensor parameters) whole.
     resident = list(_local_tensors(t for p in parts for t in list(p.parameters()) + list(p.buffers())))
-    resident += _local_tensors(v for o in trainer.optimizers for st in o.state.values() for v in st.values()
-                               if isinstance(v, torch.Tensor))
-    seen = {"step": 0, "before": 0}
-    with LiveBytesTracker(resident, follow_resizes=True) as tracker:
-        def before(*_):
-            seen["before"] = tracker.peak  # the step's peak so far, kept while the optimizer's is taken
-            tracker.reset_peak()
+    resident += _optimizer_states(trainer)
+    peaks = []
+    for _ in range(steps):
+        batches = trainer.next_microbatches()
+        for opt in trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
+        gc.collect()
+        seen = {"step": 0, "before": 0}
+        with LiveBytesTracker(resident, follow_resizes=True) as tracker:
+            def before(*_):
+                seen["before"] = tracker.peak  # the step's peak so far, kept while the optimizer's is taken
+                tracker.reset_peak()
 
-        def after(*_):
-            seen["step"] = max(seen["step"], tracker.peak)
-            tracker.peak = max(tracker.peak, seen["before"])
+            def after(*_):
+                seen["step"] = max(seen["step"], tracker.peak)
+                tracker.peak = max(tracker.peak, seen["before"])
 
-        hooks = [h for o in trainer.optimizers for h in (o.register_step_pre_hook(before),
-                                                           o.register_step_post_hook(after))]
-        try:
-            trainer.train_step(batches)
-        finally:
-            for h in hooks:
-                h.remove()
-    return int(tracker.peak), int(seen["step"])
+            hooks = [h for o in trainer.optimizers for h in (o.register_step_pre_hook(before),
+                                                               o.register_step_post_hook(after))]
+            try:
+                trainer.train_step(batches)
+            finally:
+                for h in hooks:
+                    h.remove()
+        peaks.append((int(tracker.peak), int(seen["step"])))
+    return min(p for p, _ in peaks), min(s for _, s in peaks)
 
 
 def measure_step(argv: list[str], tensor_peak: bool = False) -> dict:
@@ -127,7 +140,7 @@ def measure_step(argv: list[str], tensor_peak: bool = False) -> dict:
     states resident). Run it in a fresh process with `MALLOC_ENV` so that frees return
     memory. Leaves the process group (if any) open for the next case.
 
-    `tensor_peak`: one more step under `LiveBytesTracker`, whose peak is the step's tensor
+    `tensor_peak`: more steps under `LiveBytesTracker` (`_tensor_peaks`), whose peak is the step's tensor
     bytes alone (what the estimate counts), without the runtime's own growth (gloo's
     buffers, Python objects, small mallocs) that RSS adds: 5-9 MiB, which decides a small
     step's RSS error and varies from machine to machine."""
@@ -162,8 +175,7 @@ def measure_step(argv: list[str], tensor_peak: bool = False) -> dict:
         if tensor_peak:
             tracked, step_tracked = _tensor_peaks(trainer)
         persistent = sum(t.numel() * t.element_size() for p in parts for t in _local_tensors(p.parameters()))
-        persistent += sum(t.numel() * t.element_size() for o in trainer.optimizers for st in o.state.values()
-                          for t in _local_tensors(v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
+        persistent += sum(t.numel() * t.element_size() for t in _optimizer_states(trainer) if t.dim() > 0)
         return {"saved_bytes": int(saved), "saved_breakdown": saved_breakdown, "rss_base": base, "rss_peak": peak,
                 "peak_growth": int(peak - base), "hwm_used": hwm is not None, "sampler_peak": sampler.peak,
                 "persistent_bytes": int(persistent), "rank": trainer.rank, "tensor_peak": tracked,
